@@ -1,0 +1,33 @@
+# Two commands (see README.md):
+#   make lab    install what is missing, then open the course in JupyterLab
+#   make test   install what is missing, then run every test (unit tests and the notebooks)
+#
+# The virtual environment sees the system's packages, so a torch that is already installed (CPU
+# or CUDA) is used as it is. Where none is, TORCH is installed: the CPU build by default;
+# on a machine with an NVIDIA driver, plain `torch` (the CUDA build). Override with TORCH=...
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+PYTEST_ARGS ?=
+
+.PHONY: lab test lint exercises clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[course,dev]"
+	touch $@
+
+lab: $(VENV)/.installed
+	$(PY) -m jupyter lab notebooks/00_launch.ipynb
+
+test: $(VENV)/.installed
+	$(PY) -m pytest tests notebooks --nbval $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check zerolab tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

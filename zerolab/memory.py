@@ -1,0 +1,173 @@
+"""Measure memory from the live tensors, never from a formula.
+
+Two tools:
+
+- `model_state_bytes(state)`: the bytes a rank holds now for parameters, gradients and optimizer
+  state, counting every storage once (a view, a tied weight or a flat_param shared by many
+  parameters is one storage).
+- `track_memory(categorize)`: a context manager that follows every tensor allocated inside it and
+  records live bytes over time by category, and the peak. On CPU it watches allocations with a
+  TorchDispatchMode and frees with a finalizer on each storage; on CUDA it also reports the
+  allocator's own peak.
+
+A `categorize` callable returns {"params": tensors, "grads": tensors, "optimizer": tensors} for
+what the model holds *right now* (engines have `state_tensors()` for this). Everything else that
+is alive (activations, gathered buffers in flight, temporaries) is "other".
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+CATEGORIES = ("params", "grads", "optimizer")
+StateTensors = dict[str, Iterable[torch.Tensor]]
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    storage = t.untyped_storage()
+    if storage.nbytes() == 0:
+        return None
+    return (storage.device.type, storage.device.index, storage.data_ptr())
+
+
+def distinct_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors` (each storage counted once).
+
+    `seen` carries the storages already counted elsewhere, so that one storage shared by two
+    categories is counted in the first only.
+    """
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        key = _storage_key(t)
+        if key is not None and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def model_state_bytes(state: StateTensors) -> dict[str, int]:
+    """{"params": .., "grads": .., "optimizer": ..} bytes for the tensors in `state`."""
+    seen: set = set()
+    return {c: distinct_bytes(state.get(c, ()), seen) for c in CATEGORIES}
+
+
+def module_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> StateTensors:
+    """The state tensors of a plain (undistributed) module and its optimizer."""
+    params = list(module.parameters())
+    return {
+        "params": params,
+        "grads": [p.grad for p in params if p.grad is not None],
+        "optimizer": optimizer_tensors(optimizer) if optimizer is not None else [],
+    }
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor in an optimizer's per-parameter state (Adam: exp_avg, exp_avg_sq, step)."""
+    return [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+@dataclass
+class MemoryTrace:
+    """Live tensor bytes by category over a region of code, on one rank."""
+
+    samples: list[tuple[float, dict[str, int]]] = field(default_factory=list)  # (s, by category)
+    peak_bytes: int = 0  # the largest total of live bytes
+    peak_by_category: dict[str, int] = field(default_factory=dict)  # the breakdown at that peak
+    max_by_category: dict[str, int] = field(default_factory=dict)  # each category's own maximum
+    device_peak_bytes: int | None = None  # CUDA: the allocator's max_memory_allocated
+
+    def _add(self, t: float, by_category: dict[str, int]) -> None:
+        self.samples.append((t, by_category))
+        total = sum(by_category.values())
+        if total > self.peak_bytes:
+            self.peak_bytes = total
+            self.peak_by_category = dict(by_category)
+        for c, b in by_category.items():
+            self.max_by_category[c] = max(self.max_by_category.get(c, 0), b)
+
+
+class _Tracker(TorchDispatchMode):
+    """Sees every op's outputs; a finalizer on each new storage tells when it is freed."""
+
+    def __init__(self, categorize: Callable[[], StateTensors] | None, trace: MemoryTrace):
+        super().__init__()
+        self.categorize = categorize or dict
+        self.trace = trace
+        # id(storage) -> (weak reference, finalizer). Bytes are read at each sample, so that a
+        # storage resized in place (how ZeRO-3 frees a gathered unit) is counted as it is now.
+        self.live: dict[int, tuple[weakref.ref, weakref.finalize]] = {}
+        self.t0 = time.perf_counter()
+
+    def watch(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = id(storage)  # torch keeps one Python object per live storage
+        if key not in self.live:
+            self.live[key] = (weakref.ref(storage),
+                              weakref.finalize(storage, self.live.pop, key, None))
+
+    def sample(self) -> None:
+        category_of: dict[int, str] = {}
+        for category, tensors in self.categorize().items():
+            for t in tensors:
+                self.watch(t)  # state created outside dispatch (e.g. by the autograd engine)
+                category_of.setdefault(id(t.untyped_storage()), category)
+        by_category = dict.fromkeys((*CATEGORIES, "other"), 0)
+        for key, (ref, _) in list(self.live.items()):
+            storage = ref()
+            if storage is not None:
+                by_category[category_of.get(key, "other")] += storage.nbytes()
+        if not self.trace.samples or self.trace.samples[-1][1] != by_category:
+            self.trace._add(time.perf_counter() - self.t0, by_category)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in _tensors(out):
+            self.watch(t)
+        self.sample()  # after every op: allocations, frees and in-place resizes since the last
+        return out
+
+    def close(self) -> None:
+        self.sample()
+        for _, fin in self.live.values():
+            fin.detach()
+        self.live.clear()
+
+
+def _tensors(x) -> Iterable[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _tensors(y)
+
+
+class track_memory:  # noqa: N801 (used like a function: `with track_memory(...) as trace`)
+    """Track live tensor bytes by category inside a `with` block; yields a MemoryTrace.
+
+    Counts the model state present at entry plus every tensor allocated inside the block while it
+    lives. On CUDA, `device_peak_bytes` is the allocator's peak over the block as well.
+    """
+
+    def __init__(self, categorize: Callable[[], StateTensors] | None = None):
+        self.trace = MemoryTrace()
+        self._tracker = _Tracker(categorize, self.trace)
+
+    def __enter__(self) -> MemoryTrace:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
+        self._tracker.sample()  # registers the state present at entry
+        self._tracker.__enter__()
+        return self.trace
+
+    def __exit__(self, *exc) -> None:
+        self._tracker.__exit__(*exc)
+        self._tracker.close()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.trace.device_peak_bytes = torch.cuda.max_memory_allocated()

@@ -1,0 +1,67 @@
+"""Flat, padded shards: the data layout every ZeRO stage shares.
+
+A group of parameters (a bucket, or a ZeRO-3 unit) is laid end to end in one 1-D buffer, the
+flat_param, padded with zeros so that it splits into world_size equal shards:
+
+    params:      [ w0 (6) | b0 (3) | gain (1) ]          numel = 10
+    flat_param:  [ w0 w0 w0 w0 w0 w0 b0 b0 b0 g . . ]    padded_numel = 12 (world_size 4)
+    shards:        rank 0   rank 1   rank 2   rank 3      shard_numel = 3
+
+Rank r owns flat_param[r * shard_numel : (r + 1) * shard_numel]. Equal shards are what
+reduce-scatter and all-gather need; the padding is never read back into a parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each tensor sits in a padded flat buffer split into `world_size` shards."""
+
+    shapes: tuple[torch.Size, ...]  # each tensor's shape
+    offsets: tuple[int, ...]  # each tensor's first element in the flat buffer
+    numel: int  # elements of all tensors together
+    padded_numel: int  # numel rounded up to a multiple of world_size
+    world_size: int  # number of shards
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor], world_size: int) -> FlatLayout:
+        offsets, numel = [], 0
+        for t in tensors:
+            offsets.append(numel)
+            numel += t.numel()
+        padded = -(-numel // world_size) * world_size  # ceil to a multiple of world_size
+        return cls(tuple(t.shape for t in tensors), tuple(offsets), numel, padded, world_size)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's shard in the flat buffer."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+
+def flatten(tensors: Sequence[torch.Tensor], layout: FlatLayout) -> torch.Tensor:
+    """Copy `tensors` into a new zero-padded flat buffer. (padded_numel,)"""
+    ref = tensors[0]
+    flat = torch.zeros(layout.padded_numel, dtype=ref.dtype, device=ref.device)
+    for t, view in zip(tensors, unflatten(flat, layout)):
+        view.copy_(t)
+    return flat
+
+
+def unflatten(flat: torch.Tensor, layout: FlatLayout) -> list[torch.Tensor]:
+    """Views into `flat`, one per tensor, with their original shapes. No copy."""
+    return [flat[o:o + s.numel()].view(s) for o, s in zip(layout.offsets, layout.shapes)]
+
+
+def shard(flat: torch.Tensor, layout: FlatLayout, rank: int) -> torch.Tensor:
+    """Rank's shard of a flat buffer, as a view. (shard_numel,)"""
+    start, end = layout.shard_range(rank)
+    return flat[start:end]

@@ -1,0 +1,332 @@
+"""The formulas of the course: what each rank holds and sends, before anything is measured.
+
+Every number the notebooks measure on live processes has a formula here to be checked against.
+Pure Python on purpose (no torch): the calculator and the plots can use it anywhere.
+
+Notation, as in the ZeRO paper (Rajbhandari et al., 2020): Ψ = number of parameters,
+N = data-parallel world size, K = optimizer-state bytes per parameter.
+
+Model states per rank, fp32 training with Adam (4 B params, 4 B grads, K = 8 for m and v):
+
+    DDP     16Ψ          ZeRO-1  8Ψ + 8Ψ/N      ZeRO-2  4Ψ + 12Ψ/N      ZeRO-3  16Ψ/N
+
+Mixed precision (paper): 16-bit params and grads (2Ψ + 2Ψ) and K = 12 for Adam, because the
+optimizer keeps an fp32 master copy of the weights next to m and v (4 + 4 + 4):
+
+    DDP  (4+K)Ψ     ZeRO-1  4Ψ + KΨ/N      ZeRO-2  2Ψ + (2+K)Ψ/N     ZeRO-3  (4+K)Ψ/N
+
+Sizes in decimal GB (1e9 bytes), as the paper and the article series use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# --- units -----------------------------------------------------------------------------------
+
+KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12  # decimal: what papers and GPU spec sheets quote
+KiB, MiB, GiB, TiB = 2.0**10, 2.0**20, 2.0**30, 2.0**40  # binary: what allocators report
+
+_DECIMAL_UNITS = [("B", 1.0), ("kB", KB), ("MB", MB), ("GB", GB), ("TB", TB)]
+_BINARY_UNITS = [("B", 1.0), ("KiB", KiB), ("MiB", MiB), ("GiB", GiB), ("TiB", TiB)]
+
+
+def to_gb(nbytes: float) -> float:
+    """Bytes to decimal gigabytes (1 GB = 1e9 bytes)."""
+    return nbytes / GB
+
+
+def format_bytes(nbytes: float, decimal: bool = False, digits: int = 3) -> str:
+    """A byte count as a short string: '38.5 GB' (decimal=True) or '1.5 MiB' (binary, default).
+
+    `digits` significant digits, so 31.40625e9 bytes prints as the paper's '31.4 GB'.
+    """
+    units = _DECIMAL_UNITS if decimal else _BINARY_UNITS
+    name, scale = units[0]
+    for unit_name, unit_scale in units:
+        if abs(nbytes) >= unit_scale:
+            name, scale = unit_name, unit_scale
+    value = nbytes / scale
+    if name == "B":
+        return f"{value:.0f} B"
+    # `g` would switch to exponent notation for 1000..1023 KiB; print those as integers.
+    text = f"{value:.{digits}g}" if abs(value) < 10**digits else f"{value:.0f}"
+    return f"{text} {name}"
+
+
+# --- stages, precisions, optimizers -------------------------------------------------------------
+
+STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+NAIVE_ZERO1 = "ZeRO-1 (naive)"  # the article's ZeRO-1: all-reduce, keep your shard, all-gather
+
+_STAGE_ALIASES = {
+    "ddp": "DDP", "0": "DDP", "zero0": "DDP",
+    "zero1": "ZeRO-1", "1": "ZeRO-1",
+    "zero2": "ZeRO-2", "2": "ZeRO-2",
+    "zero3": "ZeRO-3", "3": "ZeRO-3", "fsdp": "ZeRO-3",
+    "zero1naive": NAIVE_ZERO1, "zero1(naive)": NAIVE_ZERO1, "naivezero1": NAIVE_ZERO1,
+}
+
+
+def stage_name(stage: str | int) -> str:
+    """Canonical stage name: 'zero2', 'ZeRO-2', 2 -> 'ZeRO-2'; 'ddp', 0 -> 'DDP'."""
+    key = str(stage).lower().replace("-", "").replace("_", "").replace(" ", "")
+    if key not in _STAGE_ALIASES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES} or {NAIVE_ZERO1!r}")
+    return _STAGE_ALIASES[key]
+
+
+# bytes per parameter and per gradient held for forward/backward, and whether the optimizer
+# keeps its own fp32 master copy of the weights (mixed precision does: the update needs fp32).
+PRECISIONS = {
+    "fp32": {"param_bytes": 4, "grad_bytes": 4, "master_copy": False},
+    "mixed": {"param_bytes": 2, "grad_bytes": 2, "master_copy": True},  # bf16 or fp16
+}
+_PRECISION_ALIASES = {"fp32": "fp32", "float32": "fp32", "mixed": "mixed", "bf16": "mixed",
+                      "fp16": "mixed", "amp": "mixed"}
+
+# fp32 state tensors per parameter each optimizer keeps (Adam: m and v; SGD: the momentum buffer).
+OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
+
+
+def precision_name(precision: str) -> str:
+    """'bf16', 'fp16', 'amp', 'mixed' -> 'mixed'; 'fp32', 'float32' -> 'fp32'."""
+    key = precision.lower()
+    if key not in _PRECISION_ALIASES:
+        raise ValueError(f"unknown precision {precision!r}; expected 'fp32' or 'mixed'")
+    return _PRECISION_ALIASES[key]
+
+
+def optimizer_multiplier(optimizer: str = "adam", precision: str = "fp32") -> int:
+    """K, the optimizer-state bytes per parameter: 4 B per fp32 state, + 4 B master copy if mixed.
+
+    adam/adamw: fp32 8, mixed 12 (the paper's K = 12). sgd_momentum: 4 / 8. sgd: 0 / 4.
+    """
+    key = optimizer.lower().replace("-", "_").replace(" ", "_")
+    if key not in OPTIMIZER_STATES:
+        raise ValueError(f"unknown optimizer {optimizer!r}; expected {list(OPTIMIZER_STATES)}")
+    master = 4 if PRECISIONS[precision_name(precision)]["master_copy"] else 0
+    return 4 * OPTIMIZER_STATES[key] + master
+
+
+# --- model-state memory -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes of model states one rank holds, per category (the keys engines report)."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict[str, float]:
+        """{'params': .., 'grads': .., 'optimizer': ..}: the shape `plots.memory_bars` takes."""
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
+
+
+def model_state_memory(
+    num_params: float,
+    world_size: int = 1,
+    stage: str | int = "DDP",
+    *,
+    precision: str = "fp32",
+    optimizer: str = "adam",
+    k: float | None = None,
+    param_bytes: float | None = None,
+    grad_bytes: float | None = None,
+    fp32_grad_accum: bool = False,
+) -> ModelStates:
+    """Model-state bytes per rank (params, grads, optimizer) for one stage.
+
+    Each stage shards one more category over the N ranks; the rest stay replicated:
+    ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the parameters.
+
+    `precision` ('fp32' or 'mixed') and `optimizer` pick the bytes per parameter, gradient and
+    K; `param_bytes`, `grad_bytes` and `k` override them. `fp32_grad_accum` adds the optional
+    fp32 gradient-accumulation buffer of mixed precision (4Ψ), counted with the gradients and
+    therefore sharded with them in ZeRO-2/3. Activations are not model states (see
+    `activation_bytes_estimate`).
+    """
+    stage = stage_name(stage)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    prec = PRECISIONS[precision_name(precision)]
+    p = prec["param_bytes"] if param_bytes is None else param_bytes
+    g = prec["grad_bytes"] if grad_bytes is None else grad_bytes
+    if fp32_grad_accum:
+        if precision_name(precision) == "fp32":
+            raise ValueError("fp32 training already keeps fp32 gradients; no extra buffer")
+        g += 4
+    k = optimizer_multiplier(optimizer, precision) if k is None else k
+
+    n = world_size
+    shard_opt = stage != "DDP"  # every ZeRO stage, naive ZeRO-1 included
+    shard_grads = stage in ("ZeRO-2", "ZeRO-3")
+    shard_params = stage == "ZeRO-3"
+    return ModelStates(
+        params=p * num_params / (n if shard_params else 1),
+        grads=g * num_params / (n if shard_grads else 1),
+        optimizer=k * num_params / (n if shard_opt else 1),
+    )
+
+
+def memory_formula(stage: str | int, **kwargs) -> str:
+    """The per-rank formula as text, e.g. 'ZeRO-2' -> '4Ψ + 12Ψ/N' (fp32 Adam).
+
+    Takes `model_state_memory`'s keyword arguments (precision, optimizer, k, ...).
+    """
+    # Bytes per parameter at N=1 and N=2 give the replicated part R and the sharded part S of
+    # R + S/N: m1 = R + S and m2 = R + S/2.
+    m1 = model_state_memory(1, 1, stage, **kwargs).total
+    m2 = model_state_memory(1, 2, stage, **kwargs).total
+    sharded = 2 * (m1 - m2)
+    replicated = m1 - sharded
+    terms = []
+    if replicated:
+        terms.append(f"{replicated:g}Ψ")
+    if sharded:
+        terms.append(f"{sharded:g}Ψ/N")
+    return " + ".join(terms) or "0"
+
+
+def all_stages(num_params: float, world_size: int = 1, **kwargs) -> dict[str, ModelStates]:
+    """`model_state_memory` for DDP, ZeRO-1, ZeRO-2 and ZeRO-3 (same keyword arguments)."""
+    return {s: model_state_memory(num_params, world_size, s, **kwargs) for s in STAGES}
+
+
+def deepspeed_zero2_bytes(num_params: float, world_size: int) -> float:
+    """DeepSpeed's ZeRO-2 estimate per GPU without offload: 2Ψ + 18Ψ/N.
+
+    A documented variant of our mixed-precision ZeRO-2 (2Ψ + 14Ψ/N): DeepSpeed also keeps an
+    fp32 gradient partition, so the sharded part is 2 (fp16 grads) + 4 (fp32 grads) + 12
+    (fp32 params, m, v) = 18. It equals `model_state_memory(.., 'ZeRO-2', precision='mixed',
+    fp32_grad_accum=True).total`. (Source: `estimate_zero2_model_states_mem_needs` in
+    deepspeed/runtime/zero/stage_1_and_2.py; older releases used 4Ψ + 16Ψ/N.)
+    """
+    return 2 * num_params + 18 * num_params / world_size
+
+
+def deepspeed_zero3_bytes(
+    num_params: float, world_size: int, largest_layer_params: float = 0
+) -> float:
+    """DeepSpeed's ZeRO-3 estimate per GPU without offload: 4·L + 18Ψ/N.
+
+    L is the largest layer's parameter count: ZeRO-3 must gather one layer whole to run it,
+    so that much must stay free on top of the 18 bytes per parameter shard.
+    """
+    return 4 * largest_layer_params + 18 * num_params / world_size
+
+
+# --- communication ------------------------------------------------------------------------------
+
+_RING_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+
+
+def _op_name(op: str) -> str:
+    key = op.lower().replace("-", "_").replace(" ", "_")
+    key = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter",
+           "allgather": "all_gather"}.get(key, key)
+    if key not in _RING_FACTOR:
+        raise ValueError(f"unknown collective {op!r}; expected one of {list(_RING_FACTOR)}")
+    return key
+
+
+def ring_sent_bytes(op: str, nbytes: float, world_size: int) -> float:
+    """Bytes one rank sends for a collective on a tensor of `nbytes` (S) with a ring algorithm.
+
+    all_reduce: 2(N-1)/N·S (a reduce-scatter then an all-gather); reduce_scatter and
+    all_gather: (N-1)/N·S (each rank passes on N-1 chunks of S/N). One rank sends nothing.
+    """
+    n = world_size
+    return _RING_FACTOR[_op_name(op)] * (n - 1) / n * nbytes
+
+
+# The collectives of one training step, each over the whole model (Ψ elements).
+STEP_COLLECTIVES = {
+    "DDP": ("all_reduce",),                                  # gradients
+    "ZeRO-1": ("reduce_scatter", "all_gather"),              # grads -> shards, params <- shards
+    NAIVE_ZERO1: ("all_reduce", "all_gather"),               # article: full grads, then gather
+    "ZeRO-2": ("reduce_scatter", "all_gather"),              # same traffic as ZeRO-1
+    "ZeRO-3": ("all_gather", "all_gather", "reduce_scatter"),  # params in fwd, again in bwd
+}
+
+
+@dataclass(frozen=True)
+class CommVolume:
+    """Communication of one training step, per rank."""
+
+    stage: str
+    collectives: tuple[str, ...]  # each over the whole model: S = Ψ elements
+    elements: float  # the paper's volume: an all-reduce counts 2Ψ, the others Ψ
+    bytes: float  # elements × bytes per element
+    ring_sent_bytes: float  # what one rank sends with ring algorithms: bytes × (N-1)/N
+
+
+def comm_volume(
+    num_params: float, world_size: int, stage: str | int, bytes_per_element: float = 4
+) -> CommVolume:
+    """Per-step communication of a stage: DDP, ZeRO-1, ZeRO-2 2Ψ; ZeRO-3 and naive ZeRO-1 3Ψ.
+
+    `bytes_per_element`: 4 for fp32, 2 for bf16/fp16 gradients and parameters.
+    """
+    stage = stage_name(stage)
+    ops = STEP_COLLECTIVES[stage]
+    elements = sum(_RING_FACTOR[op] for op in ops) * num_params
+    nbytes = num_params * bytes_per_element
+    return CommVolume(
+        stage=stage,
+        collectives=ops,
+        elements=elements,
+        bytes=elements * bytes_per_element,
+        ring_sent_bytes=sum(ring_sent_bytes(op, nbytes, world_size) for op in ops),
+    )
+
+
+# --- model sizes --------------------------------------------------------------------------------
+
+MODEL_PRESETS = {
+    "125M": 125_000_000,
+    "1.3B": 1_300_000_000,
+    "7B": 7_000_000_000,
+    "70B": 70_000_000_000,
+}
+
+
+def gpt_param_count(
+    vocab_size: int, hidden: int, num_layers: int, seq_len: int, tied_embeddings: bool = True
+) -> int:
+    """Parameters of a nanoGPT-style decoder (biases everywhere, LayerNorm with weight and bias).
+
+        embeddings  V·h (tokens) + s·h (positions)
+        per block   12h² + 13h:  ln1 2h, qkv h·3h+3h, proj h·h+h, ln2 2h,
+                                 mlp h·4h+4h and 4h·h+h
+        final LN    2h
+        lm_head     0 when tied to the token embedding, else V·h (no bias)
+
+    GPT-2 small (V=50257, h=768, 12 layers, s=1024, tied) has 124,439,808.
+    """
+    h = hidden
+    embeddings = vocab_size * h + seq_len * h
+    blocks = num_layers * (12 * h * h + 13 * h)
+    head = 0 if tied_embeddings else vocab_size * h
+    return embeddings + blocks + 2 * h + head
+
+
+def activation_bytes_estimate(
+    seq_len: int, batch_size: int, hidden: int, num_heads: int, num_layers: int = 1
+) -> float:
+    """ESTIMATE of activation memory kept for backward: s·b·h·(34 + 5·a·s/h) bytes per layer.
+
+    From Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer
+    Models", for a standard transformer block with 16-bit activations and 1-byte dropout masks,
+    no recomputation and no tensor/sequence parallelism. The 5·a·s/h term is the attention
+    scores (quadratic in s). Excludes embeddings and the output logits. An order of magnitude
+    to compare with model states, not a measurement: ZeRO does not shard activations.
+    """
+    s, b, h, a = seq_len, batch_size, hidden, num_heads
+    return num_layers * s * b * h * (34 + 5 * a * s / h)

@@ -1,0 +1,94 @@
+"""ZeRO-2: shard the gradients too.
+
+What changes from ZeRO-1 (zero1.py):
+- No full gradient buffer is kept. Autograd allocates each parameter's .grad as usual; as soon
+  as a bucket's last gradient is accumulated (the same post-accumulate-grad hook DDP uses), the
+  bucket's gradients are flattened, reduce-scattered, this rank's averaged shard is added into a
+  persistent `grad_shard`, and the full gradients are freed (`p.grad = None`).
+- So a rank holds 4Ψ/N of gradients at rest (4Ψ + 12Ψ/N in all with fp32 Adam), and during
+  backward only the gradients of the bucket being produced plus the one being reduced: the peak
+  is about a bucket, not the whole gradient.
+- One bucket is reduced at a time: before starting the next reduce-scatter we wait for the
+  previous one, so its flat buffer is freed before the next is made.
+
+`ZeRO2Naive` waits until backward is over to reduce-scatter: the same bytes at rest after the
+step, but at the peak every full gradient is alive at once, so it saves nothing where it counts.
+Notebook 04 measures both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from zerolab import comm
+from zerolab.sharding import flatten
+from zerolab.zero1 import ZeRO1, ShardedBucket
+
+
+@dataclass
+class GradShardedBucket(ShardedBucket):
+    grad_shard: torch.Tensor | None = None  # (shard_numel,) accumulated averaged gradient shard
+
+
+class ZeRO2(ZeRO1):
+    name = "zero2"
+
+    def _make_buckets(self) -> list[GradShardedBucket]:
+        return [GradShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]
+
+    def _shard_model(self) -> None:
+        super()._shard_model()
+        for b in self.buckets:
+            b.flat_grad = None  # no full gradient buffer: autograd allocates .grad per backward
+            for p in b.params:
+                p.grad = None
+            b.grad_shard = torch.zeros_like(b.local_shard)
+            b.local_shard.grad = b.grad_shard  # the optimizer reads the shard's gradient here
+
+    def _bucket_ready(self, bucket: GradShardedBucket) -> None:
+        """During backward: reduce-scatter this bucket now and free its full gradients."""
+        self._reduce(bucket)
+
+    def _reduce(self, bucket: GradShardedBucket) -> None:
+        self._wait_pending()  # at most one bucket in flight: bounded memory
+        bucket.reduced = True
+        # (padded_numel,) a parameter used by no one in this step contributes zeros
+        full = flatten([p.grad if p.grad is not None else _zeros(shape, bucket.flat_param)
+                        for p, shape in zip(bucket.params, bucket.layout.shapes)], bucket.layout)
+        for p in bucket.params:
+            p.grad = None  # the full gradients are freed here: only `full` is left, briefly
+        received = torch.empty_like(bucket.grad_shard)  # (shard_numel,)
+        handle = comm.reduce_scatter(received, full, op="avg",
+                                     tag=f"{self.name}/bwd/{bucket.name}",
+                                     group=self.group, async_op=True)
+        self._pending.append((handle, lambda: self._accumulate(bucket, received, full)))
+
+    def _accumulate(self, bucket: GradShardedBucket, received: torch.Tensor,
+                    full: torch.Tensor) -> None:
+        # `full` is passed only to keep it alive until the reduce-scatter that reads it is done.
+        bucket.grad_shard += received  # += so that accumulated micro-batches add up
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.grad_shard.zero_()
+
+    def state_tensors(self):
+        state = super().state_tensors()
+        live_full_grads = [p.grad for b in self.buckets for p in b.params if p.grad is not None]
+        state["grads"] = [b.grad_shard for b in self.buckets] + live_full_grads
+        return state
+
+
+class ZeRO2Naive(ZeRO2):
+    """Reduce-scatter only after backward: the full gradient is alive at the peak."""
+
+    name = "zero2naive"
+
+    def _bucket_ready(self, bucket: GradShardedBucket) -> None:
+        """Do nothing during backward; step() reduces every bucket afterwards."""
+
+
+def _zeros(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(shape, dtype=like.dtype, device=like.device)
