@@ -1,4 +1,7 @@
-"""Worker functions for the strategy tests (spawned ranks import them from here)."""
+"""Worker functions for the strategy tests (spawned ranks import them from here).
+
+Each worker does as much as it can in one launch, because starting ranks costs seconds.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +10,33 @@ import torch.distributed as dist
 
 import zerolab
 from zerolab import models
-from zerolab.ddp import DDP
-from zerolab.zero1 import ZeRO1, ZeRO1Naive
-from zerolab.zero2 import ZeRO2, ZeRO2Naive
-from zerolab.zero3 import ZeRO3
+from zerolab.comm import span
 
-STRATEGIES = {"ddp": DDP, "zero1": ZeRO1, "zero1naive": ZeRO1Naive, "zero2": ZeRO2,
-              "zero2naive": ZeRO2Naive, "zero3": ZeRO3}
+STRATEGIES = {"ddp": zerolab.DDP, "zero1": zerolab.ZeRO1, "zero1naive": zerolab.ZeRO1Naive,
+              "zero2": zerolab.ZeRO2, "zero2naive": zerolab.ZeRO2Naive, "zero3": zerolab.ZeRO3}
+STEPS = 5
+GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4
+LR = 1e-2
+SMALL_BUCKETS = 2000  # bytes: several buckets even for the tiny models
 
 
-def build_model(kind: str, seed: int = 0):
+def build_model(kind: str, seed: int = 0) -> torch.nn.Module:
     if kind == "gpt":
         return models.GPT(models.GPTConfig(seed=seed))
-    if kind == "mlp":
+    if kind == "gpt4":  # four blocks: several buckets for ZeRO-2
+        return models.GPT(models.GPTConfig(n_layer=4, seed=seed))
+    if kind == "gpt8":  # eight blocks: at 2 ranks, shards + 2 units in flight < the full model
+        return models.GPT(models.GPTConfig(n_layer=8, seed=seed))
+    if kind == "mlp":  # frozen bias, a numel-1 parameter, a buffer
         return models.MLP(models.MLPConfig(seed=seed))
-    if kind == "mlp_reuse":
-        return models.MLP(models.MLPConfig(dims=(16, 24, 24, 24, 8), reuse_hidden=True, seed=seed))
+    if kind == "mlp_reuse":  # the middle layer runs twice in one forward
+        return models.MLP(models.MLPConfig(dims=(16, 24, 24, 24, 8), reuse_hidden=True,
+                                           seed=seed))
     raise ValueError(kind)
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
 def local_slice(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -31,48 +44,137 @@ def local_slice(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return x[rank * per_rank:(rank + 1) * per_rank]
 
 
-def reference_run(kind: str, steps: int, global_batch: int, lr: float = 1e-2) -> dict:
-    """Single process, whole global batch."""
+def batches(model, rank: int, world_size: int):
+    for step in range(STEPS):
+        x, y = model.make_batch(GLOBAL_BATCH, seed=100 + step)
+        yield local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+
+
+def reference_run(kind: str) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch: what every strategy must reproduce."""
     model = build_model(kind)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                            weight_decay=0.1)
-    for step in range(steps):
-        x, y = model.make_batch(global_batch, seed=100 + step)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    for x, y in batches(model, 0, 1):
         model.loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(strategy: str, kind: str, steps: int, global_batch: int, lr: float = 1e-2,
-          engine_kwargs: dict | None = None) -> dict:
-    """Train with a zerolab strategy; ranks start from different seeds (rank 0's wins)."""
+def engine_kwargs(strategy: str) -> dict:
+    return {} if strategy == "zero3" else {"bucket_bytes": SMALL_BUCKETS}
+
+
+def train_zerolab(strategy: str, kind: str) -> dict:
+    """Ranks start from different seeds: the engine must broadcast rank 0's state."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = build_model(kind, seed=rank)  # different on every rank: construction broadcasts
-    engine = STRATEGIES[strategy](model, torch.optim.AdamW, lr=lr, weight_decay=0.1,
-                                  **(engine_kwargs or {}))
+    model = build_model(kind, seed=rank)
+    engine = STRATEGIES[strategy](model, torch.optim.AdamW, lr=LR, weight_decay=0.1,
+                                  **engine_kwargs(strategy))
     with zerolab.record_comm() as log:
-        for step in range(steps):
-            x, y = model.make_batch(global_batch, seed=100 + step)
-            x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        for x, y in batches(model, rank, world_size):
             model.loss(engine(x), y).backward()
             engine.step()
-            if step == steps - 1:
-                state_bytes = engine.model_state_bytes()
+            state_bytes = engine.model_state_bytes()  # after step, before zero_grad
             engine.zero_grad()
-    return {"state": engine.full_state_dict(), "bytes": state_bytes, "log": log}
+    layouts = [(b.layout.numel, b.layout.padded_numel) for b in engine.buckets]
+    out = {"state": engine.full_state_dict(), "bytes": state_bytes, "log": log,
+           "layouts": layouts}
+    if strategy == "zero3":
+        out["unit_layouts"] = [[(b.layout.padded_numel, b.params[0].requires_grad)
+                                for b in u.flat_params] for u in engine.units]
+    return out
 
 
-def train_torch_ddp(kind: str, steps: int, global_batch: int, lr: float = 1e-2) -> dict:
+def train_torch_ddp(kind: str) -> dict[str, torch.Tensor]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = build_model(kind, seed=0)
+    model = build_model(kind)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                            weight_decay=0.1)
-    for step in range(steps):
-        x, y = model.make_batch(global_batch, seed=100 + step)
-        x, y = local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+    opt = make_optimizer([p for p in model.parameters() if p.requires_grad])
+    for x, y in batches(model, rank, world_size):
         model.loss(ddp(x), y).backward()
         opt.step()
         opt.zero_grad()
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_torch_fsdp2(kind: str) -> dict[str, torch.Tensor]:
+    """torch's own fully_shard, one unit per block plus the root, like zerolab's default."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = build_model(kind)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = make_optimizer(model.parameters())
+    for x, y in batches(model, rank, world_size):
+        model.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def equivalence(kinds: list[str], strategies: list[str], fsdp2: bool) -> dict:
+    """Everything the equivalence tests compare, at this world size, in one launch."""
+    out: dict = {}
+    for kind in kinds:
+        out[kind] = {"torch_ddp": train_torch_ddp(kind)}
+        for strategy in strategies:
+            out[kind][strategy] = train_zerolab(strategy, kind)
+        if fsdp2 and hasattr(build_model(kind), "blocks"):
+            out[kind]["torch_fsdp2"] = train_torch_fsdp2(kind)
+    return out
+
+
+def peak_memory(kind: str, strategy: str, kwargs: dict) -> dict:
+    """Live bytes by category over one training step (the second: optimizer state exists)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = build_model(kind)
+    full_param_bytes = sum(p.numel() * 4 for p in model.parameters())
+    trainable_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+    engine = STRATEGIES[strategy](model, torch.optim.AdamW, lr=LR, **kwargs)
+    traces = []
+    for x, y in batches(model, rank, world_size):
+        with zerolab.track_memory(engine.state_tensors) as trace, zerolab.record_comm() as log:
+            with span("forward"):
+                loss = model.loss(engine(x), y)
+            with span("backward"):
+                loss.backward()
+            with span("step"):
+                engine.step()
+        engine.zero_grad()
+        traces.append((trace, log))
+        if len(traces) == 2:
+            break
+    trace, log = traces[1]
+    out = {"max": trace.max_by_category, "peak": trace.peak_bytes, "log": log,
+           "full_param_bytes": full_param_bytes, "trainable_bytes": trainable_bytes,
+           "bucket_bytes": [4 * b.layout.padded_numel for b in engine.buckets],
+           "grad_shard_bytes": sum(4 * b.layout.shard_numel for b in engine.buckets)}
+    if strategy == "zero3":
+        units = [sum(b.layout.padded_numel * 4 for b in u.flat_params) for u in engine.units]
+        out["unit_bytes"] = units[:-1]
+        out["root_bytes"] = units[-1]
+        out["shard_bytes"] = sum(b.local_shard.numel() * 4
+                                 for u in engine.units for b in u.flat_params)
+    return out
+
+
+def step_without_backward(strategy: str) -> None:
+    model = build_model("mlp")
+    engine = STRATEGIES[strategy](model, torch.optim.AdamW, lr=LR)
+    engine.step()
+
+
+def peaks() -> dict:
+    """The memory lessons in one launch: ZeRO-2 hooked vs naive, ZeRO-3 with/without prefetch."""
+    return {
+        "zero2": peak_memory("gpt4", "zero2", {"bucket_bytes": 20_000}),
+        "zero2naive": peak_memory("gpt4", "zero2naive", {"bucket_bytes": 20_000}),
+        "zero3": peak_memory("gpt8", "zero3", {"prefetch": True}),
+        "zero3_no_prefetch": peak_memory("gpt8", "zero3", {"prefetch": False}),
+    }

@@ -11,13 +11,24 @@ Plotting (matplotlib) and widgets (ipywidgets) live in `zerolab.plots` / `zerola
 are imported on demand, so that spawned worker processes start fast.
 """
 
+from zerolab import models
 from zerolab.comm import CommEvent, CommLog, record_comm
+from zerolab.ddp import DDP
 from zerolab.launch import LaunchError, LaunchTimeout, WorkerError, init_from_env, launch
 from zerolab.memory import MemoryTrace, distinct_bytes, model_state_bytes, track_memory
+from zerolab.zero1 import ZeRO1, ZeRO1Naive
+from zerolab.zero2 import ZeRO2, ZeRO2Naive
+from zerolab.zero3 import ZeRO3
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDP",
+    "ZeRO1",
+    "ZeRO1Naive",
+    "ZeRO2",
+    "ZeRO2Naive",
+    "ZeRO3",
     "CommEvent",
     "CommLog",
     "LaunchError",
@@ -27,6 +38,7 @@ __all__ = [
     "distinct_bytes",
     "init_from_env",
     "launch",
+    "models",
     "model_state_bytes",
     "record_comm",
     "track_memory",

@@ -236,8 +236,8 @@ def init_from_env(backend: str | None = None, threads: int | None = None) -> Dis
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend)
         else:  # a plain `python script.py`: a one-process job
-            dist.init_process_group(backend, init_method="file://" + os.path.join(tempfile.mkdtemp(), "rdzv"),
-                                    rank=0, world_size=1)
+            rendezvous = "file://" + os.path.join(tempfile.mkdtemp(), "rendezvous")
+            dist.init_process_group(backend, init_method=rendezvous, rank=0, world_size=1)
     backend = dist.get_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")

@@ -24,7 +24,7 @@ import torch
 
 from zerolab import comm
 from zerolab.sharding import flatten
-from zerolab.zero1 import ZeRO1, ShardedBucket
+from zerolab.zero1 import ShardedBucket, ZeRO1
 
 
 @dataclass
