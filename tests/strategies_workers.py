@@ -17,6 +17,7 @@ STRATEGIES = {"ddp": zerolab.DDP, "zero1": zerolab.ZeRO1, "zero1naive": zerolab.
 STEPS = 5
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4
 LR = 1e-2
+YARDSTICK_MULTIPLE = 5  # allowed distance from the reference, in units of torch DDP's
 SMALL_BUCKETS = 2000  # bytes: several buckets even for the tiny models
 
 

@@ -16,7 +16,7 @@ import zerolab
 
 ALL = list(W.STRATEGIES)
 KINDS = ["gpt", "mlp", "mlp_reuse"]
-YARDSTICK_MULTIPLE = 5
+YARDSTICK_MULTIPLE = W.YARDSTICK_MULTIPLE
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -43,13 +43,14 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 class CommEvent:
     """One collective (or point-to-point) call on one rank."""
 
-    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv"
+    op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", ...
     tag: str  # stage/phase/unit, e.g. "zero3/fwd/blocks.2"
     nbytes: int  # S: bytes of the full tensor (see module docstring)
     sent_bytes: int  # ring-algorithm bytes this rank sends
     start: float  # seconds since the log's aligned start, when the call was issued
     end: float | None  # when it completed (async: when waited on); None if never waited
     async_op: bool = False
+    dtype: str = ""  # element type on the wire, e.g. "float32", "bfloat16"
 
 
 @dataclass
@@ -178,7 +179,7 @@ def ring_sent_bytes(op: str, nbytes: int, world_size: int, rank: int = 0, src: i
         return 0 if rank == (src - 1) % n else nbytes
     if op == "send":
         return nbytes
-    if op == "recv":
+    if op in ("recv", "barrier"):
         return 0
     raise ValueError(f"unknown op {op!r}")
 
@@ -207,25 +208,26 @@ class Handle:
             self._finish()
 
 
-def _record(op: str, tag: str, nbytes: int, group, async_op: bool, src: int = 0) -> list:
+def _record(op: str, tag: str, nbytes: int, group, async_op: bool, src: int,
+            dtype: torch.dtype | None) -> list:
     if not _active_logs:
         return []
     rank, world_size = _rank_and_size(group)
     sent = ring_sent_bytes(op, nbytes, world_size, rank, src)
+    dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else ""
     events = []
     for log in _active_logs:
-        event = CommEvent(op, tag, nbytes, sent, log.now(), None, async_op)
+        event = CommEvent(op, tag, nbytes, sent, log.now(), None, async_op, dtype_name)
         log.events.append(event)
         events.append((log, event))
     return events
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _issue(op: str, tag: str, nbytes: int, group, async_op: bool, call, then=None, src=0):
-    events = _record(op, tag, nbytes, group, async_op, src)
+def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool, call,
+           then=None, src=0):
+    nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
+    events = _record(op, tag, nbytes, group, async_op, src,
+                     None if tensor is None else tensor.dtype)
     work = call() if dist.is_initialized() else None
     # A synchronous call has completed when it returns: its Handle is done at once.
     return Handle(work if async_op else None, events, then)
@@ -243,7 +245,7 @@ def all_reduce(tensor: torch.Tensor, *, tag: str, op: str = "sum",
                group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
     """In place: every rank ends with the reduction (sum or avg) of everyone's `tensor`."""
     red = _OPS["sum" if op == "avg" else op]
-    return _issue("all_reduce", tag, _nbytes(tensor), group, async_op,
+    return _issue("all_reduce", tag, tensor, group, async_op,
                   lambda: dist.all_reduce(tensor, op=red, group=group, async_op=async_op),
                   _average_after(tensor, op, group))
 
@@ -254,7 +256,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, tag: str, op: s
     red = _OPS["sum" if op == "avg" else op]
     if not dist.is_initialized():
         output.copy_(input)
-    return _issue("reduce_scatter", tag, _nbytes(input), group, async_op,
+    return _issue("reduce_scatter", tag, input, group, async_op,
                   lambda: _reduce_scatter_single(output, input, op=red, group=group,
                                                  async_op=async_op),
                   _average_after(output, op, group))
@@ -265,24 +267,29 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str,
     """input: (k,) on every rank; output: (world_size * k,), the inputs in rank order."""
     if not dist.is_initialized():
         output.copy_(input)
-    return _issue("all_gather", tag, _nbytes(output), group, async_op,
+    return _issue("all_gather", tag, output, group, async_op,
                   lambda: _all_gather_single(output, input, group=group, async_op=async_op))
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, tag: str,
               group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
     """In place: every rank ends with rank `src`'s `tensor` (src is a global rank)."""
-    return _issue("broadcast", tag, _nbytes(tensor), group, async_op,
+    return _issue("broadcast", tag, tensor, group, async_op,
                   lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), src=src)
+
+
+def barrier(*, tag: str, group: dist.ProcessGroup | None = None) -> None:
+    """Wait until every rank gets here (no payload: recorded with 0 bytes)."""
+    _issue("barrier", tag, None, group, False, lambda: dist.barrier(group=group))
 
 
 def send(tensor: torch.Tensor, dst: int, *, tag: str,
          group: dist.ProcessGroup | None = None) -> None:
-    _issue("send", tag, _nbytes(tensor), group, False,
+    _issue("send", tag, tensor, group, False,
            lambda: dist.send(tensor, dst, group=group))
 
 
 def recv(tensor: torch.Tensor, src: int, *, tag: str,
          group: dist.ProcessGroup | None = None) -> None:
-    _issue("recv", tag, _nbytes(tensor), group, False,
+    _issue("recv", tag, tensor, group, False,
            lambda: dist.recv(tensor, src, group=group))

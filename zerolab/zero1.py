@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from zerolab import comm
+from zerolab.checkpoint import Piece, optimizer_piece_state
 from zerolab.ddp import DDP, Bucket
-from zerolab.sharding import flatten, shard, unflatten
+from zerolab.sharding import FlatLayout, flatten, shard, unflatten
 
 
 @dataclass
@@ -58,9 +59,6 @@ class ZeRO1(DDP):
         b.local_shard = nn.Parameter(shard(b.flat_param, b.layout, self.rank),
                                      requires_grad=b.params[0].requires_grad)
 
-    def _optimizer_params(self) -> list[torch.Tensor]:
-        return [b.local_shard for b in self.buckets]
-
     def _bucket_ready(self, bucket: ShardedBucket) -> None:
         """ZeRO-1 (as in the paper) reduces after backward, in step(): nothing to do yet."""
 
@@ -80,6 +78,14 @@ class ZeRO1(DDP):
         """Every rank updated its own shard: all-gather the shards back into the full params."""
         self._all_gather_params()
 
+    def _owned_grads(self) -> list[torch.Tensor]:
+        return [b.local_shard.grad for b in self.buckets]
+
+    def _sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
+        """Each rank owns a shard of the gradient: add up the ranks' sums of squares."""
+        comm.all_reduce(local, tag=f"{self.name}/clip/norm", group=self.group)
+        return local
+
     def _all_gather_params(self) -> None:
         for b in self.buckets:
             # The input must not alias the output buffer; a shard-sized copy avoids that.
@@ -90,6 +96,30 @@ class ZeRO1(DDP):
         state = super().state_tensors()
         state["params"] = [b.flat_param for b in self.buckets] + state["params"]
         return state
+
+
+    # ---- checkpoints: a rank owns its shard of each bucket ---------------------------------------
+
+    def pieces(self) -> list[Piece]:
+        names = self._names()
+        # Frozen parameters are not sharded in ZeRO-1/2: rank 0 speaks for them.
+        out = self._frozen_pieces() if self.rank == 0 else []
+        for master, b in zip(self.masters, self.buckets):
+            out.append(self._flat_piece(b, master, names))
+        return out
+
+    def _flat_piece(self, b: ShardedBucket, master: torch.Tensor, names) -> Piece:
+        """This rank's shard of a flat_param (fp32: the master is the shard itself)."""
+        tensors, scalars = optimizer_piece_state(self.optimizer, master)
+        return Piece([names[p] for p in b.params], [tuple(s) for s in b.layout.shapes],
+                     b.layout.shard_range(self.rank)[0],
+                     {"param": master.detach().float().clone(), **tensors}, scalars)
+
+    def _optimizer_slots(self):
+        return [(b.local_shard, b.params, b.layout) for b in self.buckets]
+
+    def _slice(self, values: list[torch.Tensor], layout: FlatLayout | None) -> torch.Tensor:
+        return shard(flatten(values, layout), layout, self.rank)
 
 
 class ZeRO1Naive(ZeRO1):

@@ -49,7 +49,8 @@ class ZeRO2(ZeRO1):
 
     def _bucket_ready(self, bucket: GradShardedBucket) -> None:
         """During backward: reduce-scatter this bucket now and free its full gradients."""
-        self._reduce(bucket)
+        if self._sync:  # inside no_sync() the full gradients stay and keep accumulating
+            self._reduce(bucket)
 
     def _reduce(self, bucket: GradShardedBucket) -> None:
         self._wait_pending()  # at most one bucket in flight: bounded memory

@@ -183,7 +183,7 @@ class ZeRO3(ZeRO2):
 
     def _bucket_ready(self, bucket: GradShardedBucket) -> None:
         """post_backward: every gradient of the unit is in: reduce-scatter, then reshard."""
-        self._reduce(bucket)
+        super()._bucket_ready(bucket)  # ZeRO-2's reduce-scatter (skipped inside no_sync())
         self.reshard(self._unit_of[bucket.name])
 
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:
@@ -208,6 +208,17 @@ class ZeRO3(ZeRO2):
         state["params"] = [t for u in self.units for b in u.flat_params
                            for t in (b.local_shard, b.flat_param)]
         return state
+
+    def pieces(self):
+        names = self._names()
+        master_of = {id(t): m for m, (t, _, _) in zip(self.masters, self._slots)}
+        return [self._flat_piece(b, master_of.get(id(b.local_shard), b.local_shard), names)
+                for u in self.units for b in u.flat_params]
+
+    def _load_params(self, params, names) -> None:
+        for unit in self.units:
+            for b in unit.flat_params:
+                b.local_shard.copy_(self._slice([params[names[p]] for p in b.params], b.layout))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         for unit in self.units:

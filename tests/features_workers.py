@@ -1,0 +1,217 @@
+"""Workers for the training-feature tests: accumulation, clipping, mixed precision, checkpoints."""
+
+from __future__ import annotations
+
+import os
+
+import strategies_workers as W
+import torch
+import torch.distributed as dist
+
+import zerolab
+from zerolab import checkpoint
+
+MICRO = 4  # micro-batches per step
+ACC_STEPS = 3
+MAX_NORM = 0.05  # small enough that every step clips
+
+
+def _rank():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _engine(strategy: str, kind: str, seed: int = 0, **kwargs):
+    model = W.build_model(kind, seed=seed)
+    engine = W.STRATEGIES[strategy](model, torch.optim.AdamW, lr=W.LR, weight_decay=0.1,
+                                    **W.engine_kwargs(strategy), **kwargs)
+    return model, engine
+
+
+def _micro_batches(model, step: int, rank: int, world_size: int):
+    """MICRO micro-batches of GLOBAL_BATCH each: together a global batch MICRO times larger."""
+    x, y = model.make_batch(MICRO * W.GLOBAL_BATCH, seed=200 + step)
+    for m in range(MICRO):
+        xs = x[m * W.GLOBAL_BATCH:(m + 1) * W.GLOBAL_BATCH]
+        ys = y[m * W.GLOBAL_BATCH:(m + 1) * W.GLOBAL_BATCH]
+        yield W.local_slice(xs, rank, world_size), W.local_slice(ys, rank, world_size)
+
+
+# ---- gradient accumulation ---------------------------------------------------------------------
+
+def reference_big_batch(kind: str) -> dict:
+    """One process, one step per MICRO * GLOBAL_BATCH samples."""
+    model = W.build_model(kind)
+    opt = W.make_optimizer([p for p in model.parameters() if p.requires_grad])
+    for step in range(ACC_STEPS):
+        x, y = model.make_batch(MICRO * W.GLOBAL_BATCH, seed=200 + step)
+        model.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def accumulate(strategies: list[str], kind: str) -> dict:
+    rank, world_size = _rank()
+    out = {}
+    model = W.build_model(kind)  # torch's own DDP.no_sync: the yardstick
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = W.make_optimizer([p for p in model.parameters() if p.requires_grad])
+    for step in range(ACC_STEPS):
+        for m, (x, y) in enumerate(_micro_batches(model, step, rank, world_size)):
+            if m < MICRO - 1:
+                with ddp.no_sync():
+                    (model.loss(ddp(x), y) / MICRO).backward()
+            else:
+                (model.loss(ddp(x), y) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    out["torch_ddp"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for strategy in strategies:
+        model, engine = _engine(strategy, kind, seed=rank)
+        reductions_inside_no_sync = 0
+        for step in range(ACC_STEPS):
+            for m, (x, y) in enumerate(_micro_batches(model, step, rank, world_size)):
+                if m < MICRO - 1:
+                    with engine.no_sync(), zerolab.record_comm(align=False) as log:
+                        (model.loss(engine(x), y) / MICRO).backward()
+                    reductions_inside_no_sync += sum(
+                        e.op in ("all_reduce", "reduce_scatter") for e in log.events)
+                else:
+                    (model.loss(engine(x), y) / MICRO).backward()
+            engine.step()
+            engine.zero_grad()
+        out[strategy] = {"state": engine.full_state_dict(),
+                         "reductions_inside_no_sync": reductions_inside_no_sync}
+    return out
+
+
+# ---- clipping ----------------------------------------------------------------------------------
+
+def reference_clipped(kind: str) -> dict:
+    model = W.build_model(kind)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = W.make_optimizer(params)
+    norms = []
+    for x, y in W.batches(model, 0, 1):
+        model.loss(model(x), y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "norms": norms}
+
+
+def clipped(strategies: list[str], kind: str) -> dict:
+    rank, world_size = _rank()
+    out = {}
+    for strategy in strategies:
+        model, engine = _engine(strategy, kind, seed=rank)
+        norms = []
+        for x, y in W.batches(model, rank, world_size):
+            model.loss(engine(x), y).backward()
+            norms.append(engine.clip_grad_norm_(MAX_NORM))
+            engine.step()
+            engine.zero_grad()
+        out[strategy] = {"state": engine.full_state_dict(), "norms": norms}
+    return out
+
+
+# ---- mixed precision ---------------------------------------------------------------------------
+
+def mixed(strategies: list[str], kind: str) -> dict:
+    rank, world_size = _rank()
+    out = {}
+    for strategy in strategies:
+        model, engine = _engine(strategy, kind, seed=rank, param_dtype=torch.bfloat16)
+        losses = []
+        with zerolab.record_comm() as log:
+            for x, y in W.batches(model, rank, world_size):
+                loss = model.loss(engine(x), y)
+                loss.backward()
+                losses.append(loss.item())
+                engine.step()
+                state_bytes = engine.model_state_bytes()
+                engine.zero_grad()
+        wire = {e.dtype for e in log.events if e.op in ("all_reduce", "reduce_scatter")}
+        out[strategy] = {"state": engine.full_state_dict(), "bytes": state_bytes,
+                         "losses": losses, "log": log, "wire": wire,
+                         "layouts": [(b.layout.numel, b.layout.padded_numel)
+                                     for b in engine.buckets]}
+    return out
+
+
+def fp32_losses(kind: str) -> list[float]:
+    model = W.build_model(kind)
+    opt = W.make_optimizer([p for p in model.parameters() if p.requires_grad])
+    losses = []
+    for x, y in W.batches(model, 0, 1):
+        loss = model.loss(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+def train_steps(engine, model, steps: range) -> None:
+    rank, world_size = _rank()
+    for step in steps:
+        x, y = model.make_batch(W.GLOBAL_BATCH, seed=100 + step)
+        x, y = W.local_slice(x, rank, world_size), W.local_slice(y, rank, world_size)
+        model.loss(engine(x), y).backward()
+        engine.step()
+        engine.zero_grad()
+
+
+def save_after(strategy: str, kind: str, folder: str, steps: int) -> None:
+    model, engine = _engine(strategy, kind, seed=dist.get_rank())
+    train_steps(engine, model, range(steps))
+    checkpoint.save(engine, folder)
+
+
+def resume(strategy: str, kind: str, folder: str, first: int, last: int) -> dict:
+    model, engine = _engine(strategy, kind, seed=dist.get_rank() + 7)  # weights get overwritten
+    checkpoint.load(engine, folder)
+    train_steps(engine, model, range(first, last))
+    return engine.full_state_dict()
+
+
+def uninterrupted(strategy: str, kind: str, steps: int) -> dict:
+    model, engine = _engine(strategy, kind, seed=dist.get_rank())
+    train_steps(engine, model, range(steps))
+    return engine.full_state_dict()
+
+
+def save_killed_half_way(strategy: str, kind: str, folder: str) -> None:
+    """Rank 1 dies after writing its file, before the save completes (a crash mid-save)."""
+    model, engine = _engine(strategy, kind, seed=dist.get_rank())
+    train_steps(engine, model, range(1))
+    if dist.get_rank() == 1:
+        barriers = iter(range(1))  # the first barrier passes, the second never comes
+        real_barrier = checkpoint.comm.barrier
+
+        def crash_at_second_barrier(**kwargs):
+            if next(barriers, None) is None:
+                os._exit(1)
+            real_barrier(**kwargs)
+
+        checkpoint.comm.barrier = crash_at_second_barrier
+    checkpoint.save(engine, folder)
+
+
+def save_train_resume(strategies: list[str], kind: str, root: str) -> dict:
+    """At this world size, per strategy: save after 2 steps, run 5 straight, resume 2->5."""
+    out = {}
+    for strategy in strategies:
+        folder = os.path.join(root, strategy)
+        save_after(strategy, kind, folder, 2)
+        out[strategy] = {"straight": uninterrupted(strategy, kind, 5),
+                         "resumed": resume(strategy, kind, folder, 2, 5)}
+    return out
+
+
+def resume_all(strategies: list[str], kind: str, root: str, loader: str | None = None) -> dict:
+    """Resume each strategy's checkpoint (optionally into another stage) at this world size."""
+    return {s: resume(loader or s, kind, os.path.join(root, s), 2, 5) for s in strategies}

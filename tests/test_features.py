@@ -1,0 +1,192 @@
+"""Gradient accumulation, global-norm clipping, mixed precision and checkpoints, every stage."""
+
+from __future__ import annotations
+
+import os
+
+import features_workers as F
+import pytest
+import strategies_workers as W
+import torch
+
+import zerolab
+from zerolab import checkpoint
+
+STAGES = ["ddp", "zero1", "zero2", "zero3"]
+KIND = "gpt"  # tied weights; the MLP (frozen, tiny, reused) is covered by test_strategies
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# ---- gradient accumulation ---------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"N{n}")
+def accumulated(request):
+    return request.param, zerolab.launch(F.accumulate, request.param, args=(STAGES, KIND),
+                                         timeout=300)
+
+
+def test_accumulation_equals_one_big_batch(accumulated):
+    """4 micro-batches with no_sync() then one synced == one step on the 4x batch."""
+    n, results = accumulated
+    reference = F.reference_big_batch(KIND)
+    yardstick = max_diff(results[0]["torch_ddp"], reference)
+    for strategy in STAGES:
+        for rank, res in enumerate(results):
+            diff = max_diff(res[strategy]["state"], reference)
+            assert diff <= W.YARDSTICK_MULTIPLE * yardstick, (strategy, rank, diff, yardstick)
+            if n == 2:  # sums of two are exact: bitwise equal to torch's DDP.no_sync()
+                assert diff == yardstick, strategy
+
+
+def test_no_reduction_inside_no_sync(accumulated):
+    _, results = accumulated
+    for strategy in STAGES:
+        assert results[0][strategy]["reductions_inside_no_sync"] == 0, strategy
+
+
+# ---- global-norm clipping ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def clipping():
+    return zerolab.launch(F.clipped, 3, args=(STAGES, KIND), timeout=300)
+
+
+def test_clip_returns_the_global_norm_on_every_rank(clipping):
+    reference = F.reference_clipped(KIND)
+    for strategy in STAGES:
+        for res in clipping:
+            assert res[strategy]["norms"] == pytest.approx(reference["norms"], rel=1e-4), strategy
+    assert all(norm > F.MAX_NORM for norm in reference["norms"])  # so every step clipped
+
+
+def test_clipped_training_matches_the_reference(clipping):
+    reference = F.reference_clipped(KIND)["state"]
+    unclipped = W.reference_run(KIND)
+    for strategy in STAGES:
+        diff = max_diff(clipping[0][strategy]["state"], reference)
+        assert diff < 5e-5, (strategy, diff)  # 3 ranks: reduction-order noise, through Adam
+        assert max_diff(clipping[0][strategy]["state"], unclipped) > 20 * diff  # clipping acted
+
+
+# ---- mixed precision ---------------------------------------------------------------------------
+
+# bf16 compute against fp32, after 5 AdamW steps: each loss within 2%, and the parameters
+# within 5% in relative L2 distance (Adam's sign-like steps magnify bf16 rounding per element).
+LOSS_TOLERANCE = 0.02
+PARAM_TOLERANCE = 0.05
+
+
+def relative_distance(a: dict, b: dict) -> float:
+    diff = sum((a[k].float() - b[k].float()).pow(2).sum() for k in b)
+    return (diff / sum(b[k].float().pow(2).sum() for k in b)).sqrt().item()
+
+
+@pytest.fixture(scope="module")
+def mixed():
+    return 2, zerolab.launch(F.mixed, 2, args=(STAGES, KIND), timeout=300)
+
+
+def test_mixed_precision_stays_close_to_fp32(mixed):
+    _, results = mixed
+    losses = F.fp32_losses(KIND)
+    reference = W.reference_run(KIND)
+    for strategy in STAGES:
+        r = results[0][strategy]
+        assert r["losses"] == pytest.approx(losses, rel=LOSS_TOLERANCE), strategy
+        assert relative_distance(r["state"], reference) < PARAM_TOLERANCE, strategy
+        assert r["wire"] == {"bfloat16"}, strategy  # gradients travel in bf16
+
+
+def test_mixed_precision_bytes_follow_the_paper(mixed):
+    """2Ψ bf16 params + 2Ψ bf16 grads + 12Ψ fp32 (master, m, v), split per stage."""
+    n, results = mixed
+    psi = zerolab.models.num_params(W.build_model(KIND))
+    paper = {"ddp": (2 * psi, 2 * psi, 12 * psi),
+             "zero1": (2 * psi, 2 * psi, 12 * psi / n),
+             "zero2": (2 * psi, 2 * psi / n, 12 * psi / n),
+             "zero3": (2 * psi / n, 2 * psi / n, 12 * psi / n)}
+    for strategy, (params, grads, optimizer) in paper.items():
+        got = results[0][strategy]["bytes"]
+        assert got["params"] == pytest.approx(params, rel=0.01), strategy
+        assert got["grads"] == pytest.approx(grads, rel=0.01), strategy
+        assert got["optimizer"] == pytest.approx(optimizer, rel=0.01), strategy
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Checkpoints of every stage after 2 steps at N=2, with the uninterrupted 5-step runs."""
+    root = str(tmp_path_factory.mktemp("checkpoints"))
+    return root, zerolab.launch(F.save_train_resume, 2, args=(STAGES, KIND, root), timeout=300)
+
+
+def test_checkpoint_resumes_exactly_at_the_same_world_size(saved):
+    root, results = saved
+    for strategy in STAGES:
+        assert os.path.exists(os.path.join(root, strategy, "manifest.json"))
+        for res in results:
+            straight, resumed = res[strategy]["straight"], res[strategy]["resumed"]
+            assert all(torch.equal(resumed[k], straight[k]) for k in straight), strategy
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_checkpoint_reshards_to_another_world_size(saved, n):
+    root, results = saved
+    resumed = zerolab.launch(F.resume_all, n, args=(STAGES, KIND, root), timeout=300)
+    for strategy in STAGES:
+        straight = results[0][strategy]["straight"]
+        yardstick = max_diff(straight, W.reference_run(KIND))
+        for res in resumed:  # equal up to reduction order
+            assert max_diff(res[strategy], straight) <= W.YARDSTICK_MULTIPLE * yardstick, (
+                strategy, n)
+
+
+def test_checkpoint_loads_into_another_stage(saved):
+    """ZeRO-3 at 2 ranks -> ZeRO-1 at 3 ranks: checkpoints do not depend on the layout."""
+    root, results = saved
+    resumed = zerolab.launch(F.resume_all, 3, args=(["zero3"], KIND, root, "zero1"))[0]
+    assert max_diff(resumed["zero3"], results[0]["zero3"]["straight"]) < 1e-4
+
+
+def test_consolidated_checkpoint_is_a_plain_state_dict(saved):
+    root, _ = saved
+    full = checkpoint.consolidate(os.path.join(root, "zero3"))
+    model = W.build_model(KIND, seed=5)
+    model.load_state_dict(full["model"])  # strict: every key, tied aliases included
+    params = dict(model.named_parameters())
+    assert sorted(full["optimizer"]) == sorted(params)
+    for name, state in full["optimizer"].items():
+        assert state["exp_avg"].shape == params[name].shape
+        assert int(state["step"]) == 2
+
+
+def test_a_save_killed_half_way_is_refused(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    with pytest.raises(zerolab.WorkerError):
+        zerolab.launch(F.save_killed_half_way, 2, args=("zero2", KIND, folder), timeout=60)
+    assert os.path.exists(os.path.join(folder, "rank1.pt"))  # a partial folder is left...
+    with pytest.raises(checkpoint.CheckpointError, match="manifest.json is missing"):
+        checkpoint.consolidate(folder)  # ...and refused
+
+
+def test_a_killed_save_over_a_good_checkpoint_is_refused(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    zerolab.launch(F.save_after, 2, args=("zero2", KIND, folder, 1))
+    checkpoint.consolidate(folder)  # complete
+    with pytest.raises(zerolab.WorkerError):
+        zerolab.launch(F.save_killed_half_way, 2, args=("zero2", KIND, folder), timeout=60)
+    with pytest.raises(checkpoint.CheckpointError, match="did not finish"):
+        checkpoint.consolidate(folder)
+
+
+def test_a_missing_rank_file_is_refused(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    zerolab.launch(F.save_after, 2, args=("zero1", KIND, folder, 1))
+    os.remove(os.path.join(folder, "rank1.pt"))
+    with pytest.raises(checkpoint.CheckpointError, match="rank1.pt is missing"):
+        checkpoint.consolidate(folder)

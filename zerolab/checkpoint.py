@@ -1,0 +1,162 @@
+"""Sharded checkpoints that survive a crash, and load at any world size or stage.
+
+    zerolab.checkpoint.save(engine, "ckpt/")      # collective: each rank writes what it owns
+    zerolab.checkpoint.load(engine, "ckpt/")      # collective: any strategy, any world size
+    full = zerolab.checkpoint.consolidate("ckpt/")  # {"model": state_dict, "optimizer": {...}}
+    zerolab.checkpoint.load_full(engine, full)
+
+What a rank owns is described by *pieces*: a run of named parameters laid end to end (a flat
+bucket, or a single parameter), the slice of it this rank holds, and the optimizer state for
+that slice. A piece says which parameter names it covers, so a checkpoint does not depend on the
+layout that wrote it: loading assembles full per-parameter tensors and each rank cuts its own
+shard under its own layout.
+
+Crash safety: `manifest.json` is written last, atomically, after every rank has written its file;
+saving into an existing checkpoint first removes its manifest. A folder without a manifest is
+refused by `load`, so a save killed half-way can never be mistaken for a complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from zerolab import comm
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+
+
+class CheckpointError(RuntimeError):
+    """The folder is not a complete zerolab checkpoint."""
+
+
+@dataclass
+class Piece:
+    """A contiguous part of a run of named parameters laid end to end."""
+
+    names: list[str]  # the parameters, in flat order
+    shapes: list[tuple[int, ...]]  # their shapes
+    start: int  # first flat element held here
+    tensors: dict[str, torch.Tensor]  # "param" and per-element optimizer state, all (length,)
+    scalars: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. Adam's "step"
+
+
+def optimizer_piece_state(optimizer: torch.optim.Optimizer, param: torch.Tensor):
+    """Split one optimizer parameter's state into per-element tensors and scalars."""
+    tensors, scalars = {}, {}
+    for key, value in optimizer.state.get(param, {}).items():
+        if torch.is_tensor(value) and value.numel() == param.numel() and value.dim() > 0:
+            tensors[key] = value.detach().reshape(-1).clone()
+        else:
+            scalars[key] = value.clone() if torch.is_tensor(value) else value
+    return tensors, scalars
+
+
+def save(engine, folder: str) -> None:
+    """Collective: every rank writes rank{r}.pt; rank 0 writes the manifest last."""
+    rank = engine.rank
+    tag = f"{engine.name}/checkpoint"
+    os.makedirs(folder, exist_ok=True)
+    if rank == 0 and os.path.exists(os.path.join(folder, MANIFEST)):
+        os.remove(os.path.join(folder, MANIFEST))  # from now on the folder reads "incomplete"
+    comm.barrier(tag=tag, group=engine.group)
+    payload = {
+        "pieces": [asdict(p) for p in engine.pieces()],
+        "buffers": {k: v.detach().clone() for k, v in engine.module.named_buffers()}
+        if rank == 0 else {},
+    }
+    path = os.path.join(folder, f"rank{rank}.pt")
+    torch.save(payload, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a file is either complete or absent
+    comm.barrier(tag=tag, group=engine.group)
+    if rank == 0:
+        first_name = {p: n for n, p in engine.module.named_parameters()}
+        aliases = {n: first_name[p]  # tied weights: every name the model's state_dict uses
+                   for n, p in engine.module.named_parameters(remove_duplicate=False)
+                   if first_name[p] != n}
+        manifest = {"format": FORMAT, "strategy": engine.name, "world_size": engine.world_size,
+                    "files": [f"rank{r}.pt" for r in range(engine.world_size)],
+                    "aliases": aliases}
+        with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
+    comm.barrier(tag=tag, group=engine.group)
+
+
+def consolidate(folder: str) -> dict:
+    """Read a checkpoint folder into full tensors: {"model": state, "optimizer": {name: state}}.
+
+    "model" holds every parameter (by its first name, tied weights once) and buffer;
+    "optimizer" holds, per trainable parameter, its full optimizer state.
+    """
+    manifest_path = os.path.join(folder, MANIFEST)
+    if not os.path.exists(manifest_path):
+        raise CheckpointError(
+            f"{folder} is not a complete checkpoint: {MANIFEST} is missing. A save writes it "
+            f"last, so the save that made this folder did not finish.")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{folder}: unknown checkpoint format {manifest.get('format')}")
+    pieces, buffers = [], {}
+    for name in manifest["files"]:
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            raise CheckpointError(f"{folder} is not a complete checkpoint: {name} is missing.")
+        payload = torch.load(path, weights_only=False)
+        pieces += [Piece(**p) for p in payload["pieces"]]
+        buffers.update(payload["buffers"])
+    full = _assemble(pieces, buffers)
+    for alias, name in manifest.get("aliases", {}).items():
+        full["model"][alias] = full["model"][name]  # so that load_state_dict(strict=True) works
+    return full
+
+
+def _assemble(pieces: list[Piece], buffers: dict) -> dict:
+    runs: dict[tuple[str, ...], list[Piece]] = {}
+    for piece in pieces:
+        runs.setdefault(tuple(piece.names), []).append(piece)
+    model, optimizer = dict(buffers), {}
+    for names, parts in runs.items():
+        shapes = [torch.Size(s) for s in parts[0].shapes]
+        numel = sum(s.numel() for s in shapes)
+        for key in parts[0].tensors:
+            # (padded numel,) the whole run, filled from every rank's part; padding dropped below
+            flat = torch.zeros(max(p.start + p.tensors[key].numel() for p in parts),
+                               dtype=parts[0].tensors[key].dtype)
+            for p in parts:
+                flat[p.start:p.start + p.tensors[key].numel()] = p.tensors[key]
+            offset = 0
+            for name, shape in zip(names, shapes):
+                value = flat[offset:offset + shape.numel()].view(shape).clone()
+                offset += shape.numel()
+                if key == "param":
+                    model[name] = value
+                else:
+                    optimizer.setdefault(name, {})[key] = value
+            assert offset == numel
+        for name in names:
+            if name in optimizer:
+                optimizer[name].update(parts[0].scalars)
+    return {"model": model, "optimizer": optimizer}
+
+
+def load(engine, folder: str) -> None:
+    """Collective in effect (every rank must call it): restore a checkpoint into `engine`."""
+    load_full(engine, consolidate(folder))
+
+
+def load_full(engine, full: dict) -> None:
+    """Load a consolidated checkpoint (or a plain model state_dict as full["model"])."""
+    missing = [n for n, _ in engine.module.named_parameters() if n not in full["model"]]
+    if missing:
+        raise CheckpointError(f"the checkpoint has no values for parameters {missing[:5]}")
+    engine.load_full(full["model"], full.get("optimizer", {}))
+    with torch.no_grad():
+        for name, buf in engine.module.named_buffers():
+            if name in full["model"]:
+                buf.copy_(full["model"][name])
