@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from zerolab import theory
+
 # Note: torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
 # reduce_scatter_single and warns on the old names; torch 2.6 only has the old ones. This is the
 # one place that chooses.
@@ -171,10 +173,8 @@ def ring_sent_bytes(op: str, nbytes: int, world_size: int, rank: int = 0, src: i
     n = world_size
     if n == 1:
         return 0
-    if op == "all_reduce":  # reduce-scatter then all-gather: 2(N-1) chunks of S/N
-        return 2 * (n - 1) * nbytes // n
-    if op in ("reduce_scatter", "all_gather"):  # N-1 chunks of S/N
-        return (n - 1) * nbytes // n
+    if op in ("all_reduce", "reduce_scatter", "all_gather"):  # the formulas live in theory.py
+        return round(theory.ring_sent_bytes(op, nbytes, n))
     if op == "broadcast":  # pipelined ring from src: every rank but the last one forwards S
         return 0 if rank == (src - 1) % n else nbytes
     if op == "send":

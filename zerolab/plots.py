@@ -1,7 +1,7 @@
 """The course's figures. Everything else in zerolab returns data; this file draws it.
 
 Each function takes plain data (lists, dicts, or the comm logs), returns a matplotlib Figure
-and never calls `plt.show()`: a notebook displays the returned figure, a test inspects it.
+outside pyplot: a notebook displays the returned figure, a test inspects it.
 Byte axes pick their unit from the data (B, KiB, MiB, GiB; or kB, MB, GB with decimal=True,
 the paper's units), and the unit is part of the axis label.
 
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any
 
-import matplotlib.pyplot as plt
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -44,6 +44,13 @@ _BINARY_UNITS = [("B", 1.0), ("KiB", 2.0**10), ("MiB", 2.0**20), ("GiB", 2.0**30
 _DECIMAL_UNITS = [("B", 1.0), ("kB", 1e3), ("MB", 1e6), ("GB", 1e9)]  # GPUs are sold in GB
 
 
+def _figure(figsize: tuple[float, float] = FIGSIZE, layout: str = "constrained"):
+    # A Figure outside pyplot: a notebook shows it once, as the cell's value, and nothing
+    # keeps it alive after the caller drops it.
+    fig = Figure(figsize=figsize, layout=layout)
+    return fig, fig.subplots()
+
+
 def pick_unit(max_bytes: float, decimal: bool = False) -> tuple[str, float]:
     """The largest unit in which `max_bytes` is at least 1: (name, bytes per unit)."""
     units = _DECIMAL_UNITS if decimal else _BINARY_UNITS
@@ -71,7 +78,7 @@ def _category_colors(categories: Sequence[str]) -> dict[str, str]:
 
 
 def _rank_color(i: int) -> Any:
-    return plt.get_cmap("tab10")(i % 10)
+    return matplotlib.colormaps["tab10"](i % 10)
 
 
 def _legend_outside(ax: Any, **kwargs: Any) -> None:
@@ -106,7 +113,7 @@ def memory_bars(
     expected_tops = [sum(e.values()) if isinstance(e, Mapping) else e or 0 for e in expected_list]
     unit, scale = pick_unit(max(totals + expected_tops + [1]), decimal)
 
-    fig, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
+    fig, ax = _figure(figsize=FIGSIZE, layout="constrained")
     x = np.arange(len(per_rank))
     bottom = np.zeros(len(per_rank))
     for cat in categories:
@@ -189,7 +196,7 @@ def memory_timeline(
     peak = max((series(s, category).max() for s in nonempty), default=1.0)
     unit, scale = pick_unit(max(peak, 1), decimal)
 
-    fig, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
+    fig, ax = _figure(figsize=FIGSIZE, layout="constrained")
     if stacked and nonempty:
         samples = timelines[0]
         x = times_ms(samples)
@@ -234,7 +241,7 @@ def timeline(logs: Sequence[Any], title: str = "Timeline of one step") -> Figure
     min_width = span_ms * 0.004  # instantaneous or un-waited calls still show as a sliver
 
     rows = 2 * len(logs)
-    fig, ax = plt.subplots(figsize=(FIGSIZE[0], max(3.0, 1.4 + 0.35 * rows)), layout="constrained")
+    fig, ax = _figure(figsize=(FIGSIZE[0], max(3.0, 1.4 + 0.35 * rows)), layout="constrained")
     # Text fits when the bar is wider than ~4.5 points per character at fontsize 7 (the axes
     # take ~60% of the figure's width next to the lane names and the legend; exact text
     # extents would need a draw). A narrow bar gets the unit's index alone ('blocks.2' -> '2').
@@ -305,7 +312,7 @@ def bytes_per_rank(
     top = max([v for vals in data.values() for v in vals] + list((expected or {}).values()) + [1])
     unit, scale = pick_unit(top, decimal)
 
-    fig, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
+    fig, ax = _figure(figsize=FIGSIZE, layout="constrained")
     group = 0.8  # width of one group of bars
     width = group / max(nranks, 1)
     x = np.arange(len(stages))
@@ -365,7 +372,7 @@ def memory_vs_world_size(
               + [v for pts in series.values() for v in pts.values()] + [1])
     unit, scale = pick_unit(top, decimal)
 
-    fig, ax = plt.subplots(figsize=FIGSIZE, layout="constrained")
+    fig, ax = _figure(figsize=FIGSIZE, layout="constrained")
     for i, lab in enumerate(labels):
         color = _rank_color(i)
         name = f"{lab} " if lab else ""

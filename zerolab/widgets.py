@@ -23,7 +23,6 @@ import io
 from dataclasses import dataclass
 
 import ipywidgets as ipw
-import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from zerolab import plots, theory
@@ -171,10 +170,9 @@ def figure(calc: Calculation) -> Figure:
 
 
 def _png(fig: Figure) -> bytes:
-    """The figure as PNG bytes; closes it, so that pyplot does not show it a second time."""
+    """The figure as PNG bytes."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=96, metadata={"Software": None})
-    plt.close(fig)
     return buf.getvalue()
 
 
