@@ -10,6 +10,7 @@ Only matplotlib and numpy here, so the figures can be drawn wherever the data is
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Mapping, Sequence
 from numbers import Real
 from typing import Any
@@ -44,10 +45,21 @@ _BINARY_UNITS = [("B", 1.0), ("KiB", 2.0**10), ("MiB", 2.0**20), ("GiB", 2.0**30
 _DECIMAL_UNITS = [("B", 1.0), ("kB", 1e3), ("MB", 1e6), ("GB", 1e9)]  # GPUs are sold in GB
 
 
+class CourseFigure(Figure):
+    """A Figure outside pyplot that shows itself as PNG when it is a notebook cell's value.
+
+    Outside pyplot, nothing keeps it alive after the caller drops it and it is shown once,
+    with or without `%matplotlib inline`.
+    """
+
+    def _repr_png_(self) -> bytes:
+        buffer = io.BytesIO()
+        self.savefig(buffer, format="png", dpi=96, metadata={"Software": None})
+        return buffer.getvalue()
+
+
 def _figure(figsize: tuple[float, float] = FIGSIZE, layout: str = "constrained"):
-    # A Figure outside pyplot: a notebook shows it once, as the cell's value, and nothing
-    # keeps it alive after the caller drops it.
-    fig = Figure(figsize=figsize, layout=layout)
+    fig = CourseFigure(figsize=figsize, layout=layout)
     return fig, fig.subplots()
 
 

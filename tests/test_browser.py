@@ -1,0 +1,177 @@
+"""The course in a real JupyterLab, driven by a real (headless) Chromium.
+
+nbval runs the notebooks' code but no front end. This test starts JupyterLab from this
+environment on a free loopback port with a token, opens notebook 01, runs the calculator cell,
+checks that the widget's controls render, moves one and checks that the output changes, then
+opens another notebook and checks that a stored plot shows as an image. Screenshots go to
+artifacts/browser/ (or $ZEROLAB_ARTIFACTS).
+
+Needs Debian's chromium (/usr/bin/chromium) and the Python playwright package (no browser
+download); .ci/run installs both. Skipped, with the reason, only where they cannot be had.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = Path(os.environ.get("ZEROLAB_NOTEBOOKS", ROOT / "notebooks"))
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+WIDGET_NOTEBOOK = "01_ddp_memory.ipynb"
+PLOT_NOTEBOOK = "04_zero2.ipynb"
+ARTIFACTS = Path(os.environ.get("ZEROLAB_ARTIFACTS", ROOT / "artifacts" / "browser"))
+# Chromium flags for a closed network and no display (no sandbox: CI runs as root).
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--disable-dev-shm-usage"]
+
+playwright = pytest.importorskip(
+    "playwright.sync_api", reason="the Python playwright package is not installed "
+    "(.ci/run installs it: pip install playwright)")
+if not os.path.exists(CHROMIUM):
+    pytest.skip("no Chromium at /usr/bin/chromium (.ci/run installs Debian's chromium)",
+                allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """JupyterLab on a copy of the notebooks (running cells must not touch the repo's)."""
+    work = tmp_path_factory.mktemp("lab")
+    shutil.copytree(NOTEBOOKS, work / "notebooks")
+    port, token = free_port(), secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(work / "config"),
+               JUPYTER_RUNTIME_DIR=str(work / "runtime"), PYTHONPATH=str(ROOT))
+    log = open(work / "lab.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", f"--port={port}",
+         "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={work / 'notebooks'}", "--ServerApp.port_retries=0",
+         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2) as r:
+                    json.load(r)
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("JupyterLab did not start:\n"
+                                       + (work / "lab.log").read_text()[-3000:]) from None
+                time.sleep(0.5)
+        yield base, token
+    finally:
+        server.terminate()  # JupyterLab shuts its kernels down on SIGTERM
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        yield b
+        b.close()
+
+
+def open_notebook(browser, lab, name: str):
+    base, token = lab
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.goto(f"{base}/lab/tree/{name}?token={token}")
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-KernelStatus, "
+                           ".jp-Toolbar-kernelStatus", state="attached", timeout=60_000)
+    dismiss_popups(page)
+    return page
+
+
+def dismiss_popups(page) -> None:
+    """Accept a dialog JupyterLab may open (e.g. kernel selection) so nothing covers the page."""
+    news = page.locator(".jp-Notification-Toast button:has-text('No')")
+    if news.count():  # "Would you like to get notified about official Jupyter news?"
+        news.first.click()
+    dialog = page.locator(".jp-Dialog")
+    try:
+        dialog.first.wait_for(timeout=3000)
+    except playwright.TimeoutError:
+        return
+    dialog.locator(".jp-mod-accept").first.click()
+    dialog.first.wait_for(state="detached", timeout=10_000)
+
+
+def shot(page, name: str) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / name), full_page=False)
+
+
+def calculator_output_text(cell) -> str:
+    return cell.locator(".jp-OutputArea-output").inner_text()
+
+
+def test_calculator_widget_renders_and_updates(browser, lab):
+    page = open_notebook(browser, lab, WIDGET_NOTEBOOK)
+    cell = page.locator(".jp-CodeCell", has_text="calculator(").last
+    cell.scroll_into_view_if_needed()
+    cell.locator(".jp-InputArea-editor").click()
+    # Wait for the kernel, then run just this cell (it imports what it needs).
+    page.wait_for_function("() => !document.querySelector('.jp-Notebook-ExecutionIndicator')"
+                           " || !document.body.innerText.includes('Connecting')",
+                           timeout=60_000)
+    page.keyboard.press("Shift+Enter")
+    controls = cell.locator(".jupyter-widgets select, .jupyter-widgets input, "
+                            ".jupyter-widgets .widget-slider")
+    controls.first.wait_for(timeout=90_000)
+    page.wait_for_timeout(1000)
+    shot(page, "calculator-before.png")
+    before = calculator_output_text(cell)
+    assert "GB" in before, before[:500]
+
+    selects = cell.locator(".jupyter-widgets select")
+    assert selects.count() >= 2, "the calculator's dropdowns did not render"
+    changed = False
+    for i in range(selects.count()):  # move the first control whose choice changes the table
+        select = selects.nth(i)
+        options = select.locator("option").all_inner_texts()
+        current = select.input_value()
+        for option in options:
+            if option != current:
+                select.select_option(label=option)
+                break
+        page.wait_for_timeout(1500)
+        if calculator_output_text(cell) != before:
+            changed = True
+            break
+    shot(page, "calculator-after.png")
+    assert changed, "moving the calculator's controls did not change its output"
+
+
+def test_a_plot_shows_as_an_image(browser, lab):
+    page = open_notebook(browser, lab, PLOT_NOTEBOOK)
+    image = page.locator(".jp-OutputArea-output img").first
+    image.scroll_into_view_if_needed(timeout=60_000)
+    image.wait_for(timeout=60_000)
+    width = image.evaluate("img => img.naturalWidth")
+    shot(page, "plot.png")
+    assert width > 200, f"the plot image did not load (natural width {width})"
