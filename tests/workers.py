@@ -22,7 +22,8 @@ def all_reduce_rank():
 
 
 def return_tensors(n):
-    return {"rank": dist.get_rank(), "t": torch.arange(n) * dist.get_rank(), "nested": [torch.ones(2)]}
+    return {"rank": dist.get_rank(), "t": torch.arange(n) * dist.get_rank(),
+            "nested": [torch.ones(2)]}
 
 
 def raise_on(rank):
@@ -50,9 +51,139 @@ def exit_hard(rank):
 def noisy():
     print("hello from a rank")
     print("to stderr", file=sys.stderr)
-    warnings.warn("a warning from a rank")
+    warnings.warn("a warning from a rank", stacklevel=2)
     return dist.get_rank()
 
 
 def pid():
     return os.getpid()
+
+
+# --- added for test_launch.py / test_comm.py ----------------------------------------------------
+
+
+def all_reduce_value(value):
+    """Sum of value * (rank + 1) over the ranks, on every rank."""
+    t = torch.tensor([float(value) * (dist.get_rank() + 1)])
+    comm.all_reduce(t, tag="test/all_reduce_value")
+    return t
+
+
+def describe(n, payload):
+    """Where this rank sits, what it was given, and tensors of several kinds to send back."""
+    import zerolab
+
+    rank = dist.get_rank()
+    base = torch.arange(10, dtype=torch.float32) * rank
+    grad_holder = torch.full((3,), float(rank), requires_grad=True)
+    return {
+        "rank": rank,
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "threads": torch.get_num_threads(),
+        "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+        "context": zerolab.init_from_env(),  # the group is already up: it must just report it
+        "pid": os.getpid(),
+        "float": torch.arange(n, dtype=torch.float32) * rank,
+        "int64": torch.arange(n, dtype=torch.int64) + 10**12,
+        "bf16": torch.full((n,), 1.5 + rank, dtype=torch.bfloat16),
+        "base": base,
+        "view": base[2:5],  # must come back as a view of "base", not a copy
+        "transposed": torch.arange(6.0).view(2, 3).t(),
+        "requires_grad": grad_holder,
+        "big": torch.full((1 << 20,), float(rank)),  # 4 MiB
+        "nested": [torch.ones(2) * rank, (torch.zeros(1),)],
+        "payload": payload,  # the caller's args, as this rank received them
+    }
+
+
+def comm_suite(delay):
+    """Every zerolab collective once, on 12-element tensors, inside one record_comm block.
+
+    Rank 0 sleeps `delay` seconds before entering record_comm (its aligning barrier must absorb
+    it) and again inside a span before the last all-reduce (every rank's "align" event must then
+    end at the same aligned time).
+    """
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = 12 // n
+    out = {}
+    if rank == 0:
+        time.sleep(delay)
+    with comm.record_comm() as log:
+        t = torch.arange(12, dtype=torch.float32) + 100 * rank
+        comm.all_reduce(t, tag="ar/sum")
+        out["ar/sum"] = t
+        t = torch.arange(12, dtype=torch.float32) + 100 * rank
+        comm.all_reduce(t, tag="ar/avg", op="avg")
+        out["ar/avg"] = t
+        t = torch.arange(12, dtype=torch.float32) * (rank + 1)
+        comm.all_reduce(t, tag="ar/max", op="max")
+        out["ar/max"] = t
+        t = torch.full((12,), float(rank + 1), dtype=torch.float16)
+        comm.all_reduce(t, tag="ar/fp16")
+        out["ar/fp16"] = t
+
+        inp = torch.arange(12, dtype=torch.float32) * (rank + 1)
+        o = torch.empty(k)
+        comm.reduce_scatter(o, inp, tag="rs/sum")
+        out["rs/sum"] = o
+        o = torch.empty(k)
+        comm.reduce_scatter(o, inp, tag="rs/avg", op="avg")
+        out["rs/avg"] = o
+        # The seeds' example: chunk j of rank r is [(r+1)*1, (r+1)*2] ** (j+1).
+        chunks = [torch.tensor([(rank + 1) * 1.0, (rank + 1) * 2.0]) ** (j + 1) for j in range(n)]
+        o = torch.empty(2)
+        comm.reduce_scatter(o, torch.cat(chunks), tag="rs/seeds")
+        out["rs/seeds"] = o
+
+        o = torch.empty(12)
+        comm.all_gather(o, torch.arange(k, dtype=torch.float32) + 100 * rank, tag="ag")
+        out["ag"] = o
+
+        src = n - 1
+        t = torch.arange(12, dtype=torch.float32) if rank == src else torch.zeros(12)
+        comm.broadcast(t, src, tag="bc")
+        out["bc"] = t
+
+        if n > 1:  # a ring of send/recv; even ranks send first so that odd rings cannot deadlock
+            mine, got = torch.full((12,), float(rank)), torch.empty(12)
+            if rank % 2 == 0:
+                comm.send(mine, (rank + 1) % n, tag="p2p/send")
+                comm.recv(got, (rank - 1) % n, tag="p2p/recv")
+            else:
+                comm.recv(got, (rank - 1) % n, tag="p2p/recv")
+                comm.send(mine, (rank + 1) % n, tag="p2p/send")
+            out["p2p/recv"] = got
+
+        t = torch.full((12,), float(rank + 1))
+        handle = comm.all_reduce(t, tag="async/avg", op="avg", async_op=True)
+        event = log.events[-1]
+        out["async/end_before_wait"] = event.end
+        out["async/issued_by"] = log.now()
+        handle.wait()
+        out["async/avg"] = t
+        o = torch.empty(12)
+        handle = comm.all_gather(o, torch.full((k,), float(rank)), tag="async/ag", async_op=True)
+        handle.wait()
+        out["async/ag"] = o
+
+        with comm.span("compute"):
+            if rank == 0:
+                time.sleep(delay)
+        comm.all_reduce(torch.ones(12), tag="align")
+    out["t0"] = log.t0  # perf_counter: one system-wide monotonic clock on Linux
+    return {"out": out, "log": log}
+
+
+def all_reduce_cuda():
+    """NCCL path: rank r contributes r + 1 on its own GPU."""
+    t = torch.tensor([float(dist.get_rank() + 1)], device="cuda")
+    comm.all_reduce(t, tag="test/cuda")
+    return {"device": str(t.device), "current": torch.cuda.current_device(), "value": t}
+
+
+def destroys_its_group():
+    """Ends like a torchrun script: tears down its own process group before returning."""
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank

@@ -224,7 +224,8 @@ class DDP:
         """
         self._sync_grads()
         grads = self._owned_grads()
-        local_sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros(()))
+        local_sq = sum((g.float().pow(2).sum() for g in grads),
+                       torch.zeros((), device=grads[0].device))
         norm = self._sum_over_ranks(local_sq).sqrt()  # sqrt(sum over every rank's shard)
         clip = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # the formula torch uses
         for g in grads:
