@@ -119,10 +119,13 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     # Rendezvous through a file in a fresh directory: two launches can never collide.
     init_method = "file://" + os.path.join(workdir, "rendezvous")
     ctx = mp.get_context("spawn")
+    # Pickled here, unpickled by the worker after it has redirected its output: importing fn's
+    # module in the worker must not print into the caller's output either.
+    payload = pickle.dumps((fn, tuple(args)))
     procs = [
         ctx.Process(target=_worker, daemon=True,
-                    args=(fn, tuple(args), rank, world_size, backend, init_method, workdir,
-                          threads, timeout))
+                    args=(payload, rank, world_size, backend, init_method, workdir, threads,
+                          timeout))
         for rank in range(world_size)
     ]
     try:
@@ -187,7 +190,7 @@ def _failure(rank: int, exitcode: int | None, workdir: str) -> WorkerError:
                              f"exception. Its last output:\n{log_tail}")
 
 
-def _worker(fn, args, rank, world_size, backend, init_method, workdir, threads, timeout) -> None:
+def _worker(payload, rank, world_size, backend, init_method, workdir, threads, timeout) -> None:
     # Keep the caller's output deterministic: this rank's prints and warnings go to a file.
     log = os.open(_path(workdir, "log", rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(log, 1)
@@ -195,6 +198,7 @@ def _worker(fn, args, rank, world_size, backend, init_method, workdir, threads, 
     sys.stdout = os.fdopen(1, "w", buffering=1)
     sys.stderr = os.fdopen(2, "w", buffering=1)
     try:
+        fn, args = pickle.loads(payload)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size))
         torch.set_num_threads(threads)
@@ -208,7 +212,8 @@ def _worker(fn, args, rank, world_size, backend, init_method, workdir, threads, 
         tmp = _path(workdir, "result.tmp", rank)
         torch.save(result, tmp)
         os.replace(tmp, _path(workdir, "result", rank))
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have destroyed it itself, torchrun-style
+            dist.destroy_process_group()
     except BaseException:
         with open(_path(workdir, "error", rank), "w") as f:
             f.write(traceback.format_exc())

@@ -12,7 +12,9 @@ Two tools:
 
 A `categorize` callable returns {"params": tensors, "grads": tensors, "optimizer": tensors} for
 what the model holds *right now* (engines have `state_tensors()` for this). Everything else that
-is alive (activations, gathered buffers in flight, temporaries) is "other".
+is alive (activations, gathered buffers in flight, temporaries) is "other". Categories are read
+after every op, so a tensor that an op allocates and Python code only then stores (a gradient
+assigned to .grad) counts as "other" until the next op; totals are exact at every op.
 """
 
 from __future__ import annotations

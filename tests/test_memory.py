@@ -1,0 +1,191 @@
+"""zerolab.memory: distinct storages, and the tracker on cases whose answer is known exactly."""
+
+import torch
+from torch import nn
+
+from zerolab import models
+from zerolab.memory import distinct_bytes, model_state_bytes, module_state, track_memory
+
+# --- model_state_bytes: every storage once ----------------------------------------------------
+
+
+def test_views_count_their_storage_once():
+    base = torch.zeros(10)  # 40 bytes
+    assert distinct_bytes([base]) == 40
+    assert distinct_bytes([base, base[2:5], base.view(2, 5), base[::2]]) == 40
+    # A view alone stands for its whole storage: that memory is held as long as the view lives.
+    assert distinct_bytes([base[:2]]) == 40
+    assert distinct_bytes([base, torch.zeros(3, dtype=torch.float64)]) == 40 + 24
+    assert distinct_bytes([]) == 0
+
+
+def test_empty_and_freed_storages_count_nothing():
+    freed = torch.zeros(100)
+    freed.untyped_storage().resize_(0)  # how ZeRO-3 frees a gathered unit
+    assert distinct_bytes([freed, torch.zeros(0)]) == 0
+
+
+def test_a_storage_shared_by_two_categories_counts_in_the_first():
+    flat = torch.zeros(8)  # 32 bytes, e.g. a flat buffer whose views are params and grads
+    got = model_state_bytes({"params": [flat[:4]], "grads": [flat[4:]],
+                             "optimizer": [torch.zeros(2)]})
+    assert got == {"params": 32, "grads": 0, "optimizer": 8}
+    assert model_state_bytes({}) == {"params": 0, "grads": 0, "optimizer": 0}
+
+
+def test_module_and_adam_state_by_category():
+    model = nn.Linear(3, 2)  # weight 6 + bias 2 = 8 fp32 = 32 bytes
+    opt = torch.optim.Adam(model.parameters())
+    assert model_state_bytes(module_state(model, opt)) == {"params": 32, "grads": 0,
+                                                           "optimizer": 0}
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    # Adam: exp_avg + exp_avg_sq (32 bytes each) and one fp32 `step` scalar per parameter.
+    assert model_state_bytes(module_state(model, opt)) == {"params": 32, "grads": 32,
+                                                           "optimizer": 32 + 32 + 4 + 4}
+    assert model_state_bytes(module_state(model, None))["optimizer"] == 0
+
+
+def test_mlp_frozen_parameter_has_no_grad_or_optimizer_state():
+    model = models.MLP()  # dims (16, 32, 32, 8) + gain: 1865 parameters, 32 of them frozen
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    x, y = model.make_batch(4)
+    model.loss(model(x), y).backward()
+    opt.step()
+    got = model_state_bytes(module_state(model, opt))
+    # 6 trainable parameters (3 weights, 2 biases, gain) -> 6 fp32 `step` scalars
+    assert got == {"params": 1865 * 4, "grads": 1833 * 4, "optimizer": 2 * 1833 * 4 + 6 * 4}
+
+
+def test_tied_weights_count_once():
+    gpt = models.GPT(models.GPTConfig(tie_weights=True))
+    untied = models.GPT(models.GPTConfig(tie_weights=False))
+    wte_bytes = 64 * 32 * 4  # vocab x n_embd, fp32
+    tied_params = model_state_bytes(module_state(gpt, None))["params"]
+    assert tied_params == models.num_params(gpt) * 4
+    assert model_state_bytes(module_state(untied, None))["params"] == tied_params + wte_bytes
+    # Even when both names are listed explicitly, the one storage counts once.
+    both = [gpt.wte.weight, gpt.lm_head.weight]
+    assert distinct_bytes(both) == wte_bytes
+
+
+# --- track_memory -----------------------------------------------------------------------------
+
+
+def totals(trace) -> list[int]:
+    return [sum(by_category.values()) for _, by_category in trace.samples]
+
+
+def test_allocate_then_free_peaks_at_the_allocation():
+    with track_memory() as trace:
+        x = torch.empty(256)  # 1024 bytes
+        del x
+    assert trace.peak_bytes == 1024
+    assert trace.peak_by_category == {"params": 0, "grads": 0, "optimizer": 0, "other": 1024}
+    assert totals(trace)[0] == 0 and totals(trace)[-1] == 0  # nothing before, nothing after
+    assert trace.device_peak_bytes is None  # CPU
+
+
+def test_two_live_at_once_add_up_and_frees_are_seen():
+    with track_memory() as trace:
+        a = torch.empty(100)  # 400
+        b = torch.empty(50)  # 200: 600 live
+        del a
+        c = torch.empty(25)  # 100: 300 live
+        del b, c
+        d = torch.empty(100)  # 400 again: not 1000, the first 400 were freed
+        del d
+    assert trace.peak_bytes == 600
+    # A sample is taken after each op (and at exit): a free shows at the next one.
+    assert totals(trace) == [0, 400, 600, 300, 400, 0]
+
+
+def test_a_view_or_an_in_place_op_adds_nothing():
+    with track_memory() as trace:
+        a = torch.empty(100)
+        v = a[10:20]
+        w = a.view(10, 10)
+        a.add_(1)
+        w.mul_(2)
+        del a, v, w
+    assert trace.peak_bytes == 400
+    assert totals(trace) == [0, 400, 0]
+
+
+def test_tensors_from_before_the_block_are_not_counted_unless_categorized():
+    big = torch.zeros(1000)
+    with track_memory() as trace:
+        x = big + 1  # a new 4000-byte result
+        del x
+    assert trace.peak_bytes == 4000
+    del big
+
+
+def sync():
+    """An op that allocates nothing: the tracker samples (and categorizes) after every op."""
+    torch.empty(0)
+
+
+def test_categories_come_from_the_categorize_callable():
+    param = torch.zeros(16)  # 64 bytes, present at entry
+    grads: list[torch.Tensor] = []
+    optimizer_state: list[torch.Tensor] = []
+
+    def categorize():
+        return {"params": [param], "grads": grads, "optimizer": optimizer_state}
+
+    with track_memory(categorize) as trace:
+        activation = param * 2  # 64 bytes of "other"
+        grads.append(torch.ones_like(param))  # 64: "other" until categorize returns it
+        sync()
+        after_grad = trace.samples[-1][1]
+        optimizer_state.append(torch.zeros(32))  # 128
+        sync()
+        after_state = trace.samples[-1][1]
+        del activation
+        grads.clear()  # the list held the only reference: freed
+        sync()
+    assert trace.samples[0][1] == {"params": 64, "grads": 0, "optimizer": 0, "other": 0}
+    assert after_grad == {"params": 64, "grads": 64, "optimizer": 0, "other": 64}
+    assert after_state == {"params": 64, "grads": 64, "optimizer": 128, "other": 64}
+    assert trace.samples[-1][1] == {"params": 64, "grads": 0, "optimizer": 128, "other": 0}
+    assert trace.peak_bytes == 64 + 64 + 128 + 64
+    # The optimizer state was "other" in the sample right after its allocation (192 = 64 + 128).
+    assert trace.max_by_category == {"params": 64, "grads": 64, "optimizer": 128, "other": 192}
+
+
+def test_storage_resized_in_place_shows_at_the_next_sample():
+    with track_memory() as trace:
+        a = torch.empty(100)  # 400
+        a.untyped_storage().resize_(0)  # freed in place; `a` itself still lives
+        b = torch.empty(1)  # next op: the next sample
+        after_free = trace.samples[-1][1]["other"]
+        a.untyped_storage().resize_(400)  # regrown (a ZeRO-3 unit gathered again)
+        c = torch.empty(1)
+        after_regrow = trace.samples[-1][1]["other"]
+        del a, b, c
+    assert after_free == 4  # only b
+    assert after_regrow == 408
+    assert trace.peak_bytes == 408
+    assert totals(trace)[-1] == 0
+
+
+def test_peak_is_the_largest_total_and_times_increase():
+    with track_memory() as trace:
+        xs = [torch.empty(10 * (i + 1)) for i in range(5)]  # 40+80+...+200 = 600 live
+        del xs
+        y = torch.empty(140)  # 560 < 600
+        del y
+    assert trace.peak_bytes == 600 == max(totals(trace))
+    assert sum(trace.peak_by_category.values()) == trace.peak_bytes
+    times = [t for t, _ in trace.samples]
+    assert times == sorted(times)
+
+
+def test_trace_is_closed_at_exit():
+    with track_memory() as trace:
+        x = torch.empty(10)
+    n = len(trace.samples)
+    del x
+    torch.empty(100)
+    assert len(trace.samples) == n  # nothing recorded after the block
