@@ -27,7 +27,10 @@ test: $(VENV)/.installed
 	$(PY) -m pytest tests notebooks --nbval $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check zerolab tests
+	$(PY) -m ruff check zerolab tests solutions exercises
+
+exercises: $(VENV)/.installed  # regenerate the stubs in exercises/ from solutions/
+	$(PY) -m zerolab.grade --make-exercises
 
 clean:
 	rm -rf $(VENV) build *.egg-info
