@@ -1,0 +1,291 @@
+"""The measurement functions behind notebooks 04-07 (zerolab.lessons.n04..n07), on real ranks.
+
+Every figure those notebooks print is checked here against its formula, on smaller models than
+the notebooks use, so that a change in the package that moves a number fails a test instead of
+silently changing a notebook. Starting ranks costs seconds: one launch of 2 ranks runs every
+lesson (the combined worker below; spawned ranks import it from this module).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zerolab
+from zerolab import theory
+from zerolab.comm import CommEvent, CommLog, Span
+from zerolab.lessons import n04_zero2, n05_zero3, n06_fsdp2, n07_scaling
+from zerolab.models import GPT, GPTConfig, num_params
+
+N = 2
+GPT04 = GPTConfig(n_layer=2, n_embd=32, n_head=2)  # 3 buckets of 20 kB
+BUCKET_BYTES = 20_000
+GPT05 = GPTConfig(n_layer=8, n_embd=32, n_head=2)  # 8 blocks: shards + 2 blocks < the model
+GPT06 = GPTConfig(n_layer=2, n_embd=32, n_head=2)
+STEPS06 = 4  # two warm-up steps, one timed, the last measured
+
+
+# ---- the worker: every lesson at N = 2, in one launch -------------------------------------------
+
+def lessons_at_2() -> dict:
+    return {"n04": n04_zero2.zero2_lesson(bucket_bytes=BUCKET_BYTES, config=GPT04),
+            "n05": n05_zero3.zero3_lesson(config=GPT05),
+            "n06": n06_fsdp2.side_by_side(config=GPT06, steps=STEPS06),
+            "n07": n07_scaling.scaling_runs((1, 2))}
+
+
+@pytest.fixture(scope="module")
+def at2() -> list[dict]:
+    return zerolab.launch(lessons_at_2, world_size=N, timeout=240)
+
+
+def psi(config: GPTConfig) -> int:
+    return num_params(GPT(config))
+
+
+# ---- 04: ZeRO-2 ---------------------------------------------------------------------------------
+
+NAMES04 = ("zero1", "zero2naive", "zero2")
+
+
+def test_zero2_at_rest_is_the_formula_plus_one_step_counter_per_bucket(at2):
+    p = psi(GPT04)
+    for r in at2:
+        r04 = r["n04"]
+        assert r04["num_params"] == p and r04["full_grad_bytes"] == 4 * p
+        n_buckets = len(r04["zero2"]["bucket_bytes"])
+        assert n_buckets >= 3  # several buckets: the hooked peak is well below the full gradient
+        for key in NAMES04:
+            stage = "ZeRO-1" if key == "zero1" else "ZeRO-2"
+            formula = theory.model_state_memory(r04[key]["padded_numel"], N, stage)
+            held = r04[key]["at_rest"]
+            assert held["grads"] == formula.grads
+            assert held["optimizer"] == formula.optimizer + 4 * n_buckets
+            assert sum(held.values()) == formula.total + 4 * n_buckets
+
+
+def test_zero2_peak_gradient_naive_holds_everything_hooked_one_bucket(at2):
+    for r in at2:
+        r04 = r["n04"]
+        full, shards = r04["full_grad_bytes"], r04["zero2"]["grad_shard_bytes"]
+        largest = max(r04["zero2"]["bucket_bytes"])
+        assert r04["zero1"]["max_by_category"]["grads"] == full
+        assert r04["zero2naive"]["max_by_category"]["grads"] == full + shards
+        hooked = r04["zero2"]["max_by_category"]["grads"]
+        assert shards < hooked <= shards + 2 * largest
+        assert hooked < full
+
+
+def test_zero2_variants_take_the_same_step(at2):
+    for r in at2:
+        assert len({r["n04"][k]["loss_after"] for k in NAMES04}) == 1
+
+
+def test_zero2_reduce_scatters_during_backward_only_when_hooked(at2):
+    r04 = at2[0]["n04"]
+    n_buckets = len(r04["zero2"]["bucket_bytes"])
+    hooked = n04_zero2.ops_by_phase(r04["zero2"]["log"])
+    naive = n04_zero2.ops_by_phase(r04["zero2naive"]["log"])
+    assert hooked["backward"] == {"reduce_scatter": n_buckets}
+    assert hooked["step"] == {"all_gather": n_buckets}
+    assert naive["backward"] == {}
+    assert naive["step"] == {"reduce_scatter": n_buckets, "all_gather": n_buckets}
+
+
+def test_zero2_sends_2psi_and_phases_are_on_the_trace_clock(at2):
+    r04 = at2[0]["n04"]
+    expected = theory.comm_volume(r04["zero2"]["padded_numel"], N, "ZeRO-2").ring_sent_bytes
+    for key in NAMES04:
+        assert r04[key]["log"].total_bytes() == expected
+        trace = r04[key]["trace"]
+        phases = r04[key]["phases"]
+        assert [name for name, _, _ in phases] == ["forward", "backward", "step"]
+        starts_ends = [t for _, a, b in phases for t in (a, b)]
+        assert starts_ends == sorted(starts_ends)
+        last_sample = trace.samples[-1][0] - trace.samples[0][0]
+        assert 0 <= starts_ends[0] and starts_ends[-1] <= last_sample + 0.05
+
+
+# ---- 05: ZeRO-3 ---------------------------------------------------------------------------------
+
+def test_zero3_at_rest_is_16psi_over_n_plus_step_counters(at2):
+    p = psi(GPT05)
+    for r in at2:
+        run = r["n05"]["no_prefetch"]
+        assert r["n05"]["num_params"] == p and run["full_param_bytes"] == 4 * p
+        n_units = len(run["unit_bytes"])
+        assert n_units == GPT05.n_layer + 1 and list(run["unit_bytes"])[-1] == "root"
+        formula = theory.model_state_memory(run["padded_numel"], N, "ZeRO-3")
+        assert run["shard_bytes"] == formula.params
+        assert sum(run["at_rest"].values()) == formula.total + 4 * n_units
+
+
+def test_zero3_parameter_peaks_stay_within_shards_plus_units(at2):
+    for r in at2:
+        on, off = r["n05"]["prefetch"], r["n05"]["no_prefetch"]
+        shards, root = off["shard_bytes"], off["unit_bytes"]["root"]
+        block = max(b for name, b in off["unit_bytes"].items() if name != "root")
+        assert off["max_by_category"]["params"] == shards + root + block
+        assert shards + root + block <= on["max_by_category"]["params"] <= shards + root + 2 * block
+        assert on["max_by_category"]["params"] < on["full_param_bytes"]
+        assert r["n05"]["same_weights"]
+
+
+def test_zero3_gathers_twice_and_sends_3psi_against_zero2s_2psi(at2):
+    r05 = at2[0]["n05"]
+    off = r05["no_prefetch"]
+    padded = off["padded_numel"]
+    one_pass = theory.ring_sent_bytes("all_gather", 4 * padded, N)
+    assert n05_zero3.bytes_by_phase(off["log"]) == {
+        "fwd all_gather": one_pass, "bwd all_gather": one_pass, "bwd reduce_scatter": one_pass}
+    assert off["log"].total_bytes() == theory.comm_volume(padded, N, "ZeRO-3").ring_sent_bytes
+    assert r05["zero2_log"].total_bytes() == theory.comm_volume(padded, N, "ZeRO-2").ring_sent_bytes
+    blocks = [f"blocks.{i}" for i in range(GPT05.n_layer)]
+    assert n05_zero3.gathers_by_phase(off["log"]) == {
+        "fwd": ["root", *blocks], "bwd": ["root", *reversed(blocks)]}
+
+
+def test_zero3_prefetch_issues_gathers_ahead_and_overlaps_compute(at2):
+    for r in at2:
+        on, off = r["n05"]["prefetch"], r["n05"]["no_prefetch"]
+        assert n05_zero3.issued_ahead(on["log"]) == 2 * GPT05.n_layer
+        assert n05_zero3.issued_ahead(off["log"]) == 0
+        assert n05_zero3.overlapped_gathers(on["timeline_log"]) == GPT05.n_layer - 1
+        assert n05_zero3.overlapped_gathers(off["timeline_log"]) == 0
+        window = n05_zero3.forward_window(on["timeline_log"])
+        assert len(window.spans) == GPT05.n_layer  # one compute span per block
+        assert all("/fwd/" in e.tag for e in window.events) and window.events
+
+
+# ---- 06: FSDP2 and ZeroRedundancyOptimizer -----------------------------------------------------
+
+STAGE_OF = {"zerolab DDP": "DDP", "zerolab ZeRO-1": "ZeRO-1", "zerolab ZeRO-2": "ZeRO-2",
+            "zerolab ZeRO-3": "ZeRO-3", "torch DDP": "DDP",
+            "torch DDP + ZeroRedundancyOptimizer": "ZeRO-1",
+            "torch FSDP2 (fully_shard)": "ZeRO-3"}
+
+
+def test_every_variant_ends_bitwise_equal_to_torch_ddp(at2):
+    for r in at2:
+        reference = r["n06"]["torch DDP"]["full"]
+        for name in STAGE_OF:
+            full = r["n06"][name]["full"]
+            assert set(reference) <= set(full), name  # a state_dict also names the tied head
+            assert all(torch.equal(full[k], reference[k]) for k in reference), name
+
+
+def test_model_states_match_the_formulas_within_step_counters(at2):
+    p = psi(GPT06)
+    tensors = len(list(GPT(GPT06).parameters()))
+    for r in at2:
+        r06 = r["n06"]
+        assert r06["num_params"] == p
+        for name, stage in STAGE_OF.items():
+            held = sum(r06[name]["bytes"].values())
+            extra = held - theory.model_state_memory(p, N, stage).total
+            assert 0 < extra <= 4 * tensors, (name, extra)  # AdamW's 4-byte step counters
+        zero_ro = r06["torch DDP + ZeroRedundancyOptimizer"]
+        assert zero_ro["bytes"]["optimizer"] == 8 * zero_ro["owned"]["numel"] + 4 * zero_ro[
+            "owned"]["tensors"]
+    owned = [r["n06"]["torch DDP + ZeroRedundancyOptimizer"]["owned"] for r in at2]
+    assert sum(o["numel"] for o in owned) == p and sum(o["tensors"] for o in owned) == tensors
+
+
+def test_collectives_counted_and_recorded(at2):
+    r06 = at2[0]["n06"]
+    tensors = len(list(GPT(GPT06).parameters()))
+    units = GPT06.n_layer + 1
+    assert r06["torch DDP"]["collectives"] == {"c10d.allreduce_": 1}
+    assert r06["torch DDP + ZeroRedundancyOptimizer"]["collectives"] == {
+        "c10d.allreduce_": 1, "c10d.broadcast_": tensors}
+    # FSDP2 keeps the root gathered from forward into backward: units + blocks all-gathers.
+    assert r06["torch FSDP2 (fully_shard)"]["collectives"] == {
+        "c10d._allgather_base_": units + GPT06.n_layer, "c10d._reduce_scatter_base_": units}
+    for name in n06_fsdp2.ZEROLAB:
+        expected = theory.comm_volume(psi(GPT06), N, STAGE_OF[name]).ring_sent_bytes
+        assert sum(r06[name]["comm"].values()) == expected, name
+    shapes = r06["torch FSDP2 (fully_shard)"]["shapes"]
+    assert shapes["wte.weight"] == ((GPT06.vocab_size, GPT06.n_embd),
+                                    (GPT06.vocab_size // N, GPT06.n_embd))
+
+
+def test_step_times_are_recorded(at2):
+    for name in STAGE_OF:
+        times = at2[0]["n06"][name]["times"]
+        assert len(times) == STEPS06 and all(t > 0 for t in times)
+        assert n06_fsdp2.median_ms(times) > 0
+
+
+# ---- 07: scaling --------------------------------------------------------------------------------
+
+def test_scaling_runs_match_the_formulas_at_each_world_size(at2):
+    p = psi(n07_scaling.MODEL)
+    assert at2[1]["n07"][1] is None  # rank 1 sat out the N = 1 run
+    for n in (1, 2):
+        for r in at2[:n]:
+            run = r["n07"][n]
+            assert run["world_size"] == n and run["num_params"] == p
+            for stage in n07_scaling.STAGES:
+                held = sum(run[stage]["bytes"].values())
+                formula = theory.model_state_memory(p, n, stage).total
+                assert 0 <= held - formula < 1e-3 * formula, (n, stage)
+                assert run[stage]["sent"] == theory.comm_volume(p, n, stage).ring_sent_bytes
+
+
+# ---- helpers on hand-made logs (no ranks) -------------------------------------------------------
+
+def _log(events: list[tuple[str, str, float, float, bool]], spans: list[tuple[str, float, float]]
+         ) -> CommLog:
+    return CommLog(rank=0, world_size=2,
+                   events=[CommEvent(op, tag, 8, 4, a, b, async_op) for op, tag, a, b, async_op
+                           in events],
+                   spans=[Span(name, a, b) for name, a, b in spans])
+
+
+def test_ops_by_phase_assigns_each_event_to_the_span_it_was_issued_in():
+    log = _log([("reduce_scatter", "z/bwd/b0", 1.5, 2.5, True),
+                ("all_gather", "z/step/b0", 3.5, 3.6, False),
+                ("broadcast", "z/init/w", 0.1, 0.2, False)],  # outside every span: not counted
+               [("forward", 0.5, 1.0), ("backward", 1.0, 3.0), ("step", 3.0, 4.0)])
+    assert n04_zero2.ops_by_phase(log) == {"forward": {}, "backward": {"reduce_scatter": 1},
+                                           "step": {"all_gather": 1}}
+
+
+def test_overlapped_gathers_needs_the_gather_to_span_the_previous_block():
+    spans = [("forward", 1.0, 2.0), ("forward", 3.0, 4.0), ("forward", 5.0, 6.0)]
+    ahead = _log([("all_gather", "zero3/fwd/blocks.1", 0.9, 2.5, True),
+                  ("all_gather", "zero3/fwd/blocks.2", 2.9, 4.5, True)], spans)
+    serial = _log([("all_gather", "zero3/fwd/blocks.1", 2.1, 2.9, False),
+                   ("all_gather", "zero3/fwd/blocks.2", 4.1, 4.9, False)], spans)
+    assert n05_zero3.overlapped_gathers(ahead) == 2
+    assert n05_zero3.overlapped_gathers(serial) == 0
+    assert n05_zero3.issued_ahead(ahead) == 2 and n05_zero3.issued_ahead(serial) == 0
+
+
+def test_median_ms_leaves_out_warmup_and_the_measured_last_step():
+    times = [9.0] * n06_fsdp2.WARMUP + [0.001, 0.003, 0.002] + [9.0]
+    assert n06_fsdp2.median_ms(times) == pytest.approx(2.0)
+
+
+def test_run_torchrun_builds_the_command_and_reads_the_losses(monkeypatch):
+    """The subprocess is faked here (tests/test_train.py runs the real torchrun)."""
+    seen = {}
+
+    def fake_run(argv, **kwargs):
+        seen["argv"] = argv
+        json_path = argv[argv.index("--json") + 1]
+        with open(json_path, "w") as f:
+            json.dump({"losses": [4.0, 3.5, 3.0]}, f)
+        return subprocess.CompletedProcess(argv, 0, stdout="ok\n", stderr="")
+
+    monkeypatch.setattr(n07_scaling.subprocess, "run", fake_run)
+    run = n07_scaling.run_torchrun(nproc=2, strategy="zero2", steps=3)
+    assert seen["argv"][:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert seen["argv"][3:11] == ["--standalone", "--nproc-per-node", "2", "-m", "zerolab.train",
+                                  "--strategy", "zero2", "--steps"]
+    assert run["command"].startswith("torchrun --standalone --nproc-per-node 2 -m zerolab.train")
+    assert run["returncode"] == 0 and run["losses"] == [4.0, 3.5, 3.0] and run["output"] == "ok\n"

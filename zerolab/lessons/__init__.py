@@ -1,0 +1,7 @@
+"""The course notebooks' worker and measurement functions, one module per notebook.
+
+A notebook cell cannot define a function that spawned ranks run (they re-import it by module
+and name), so every function a notebook hands to `zerolab.launch` lives here: `n01_memory` for
+notebook 01, and so on. They return plain data (dicts, lists, CommLogs, MemoryTraces); the
+notebooks draw it with `zerolab.plots`.
+"""
