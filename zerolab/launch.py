@@ -153,6 +153,13 @@ def _path(workdir: str, kind: str, rank: int) -> str:
     return os.path.join(workdir, f"{kind}-{rank}")
 
 
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime_ns
+    except FileNotFoundError:
+        return float("inf")  # no error file (killed hard): after any rank that wrote one
+
+
 def _read(path: str) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -172,11 +179,18 @@ def _wait_all(procs: list, workdir: str, timeout: float) -> None:
             raise LaunchTimeout(
                 f"ranks {stuck} were still running after {timeout:g}s and were killed "
                 f"(a rank waiting in a collective that another rank never joined?)")
+        failed = []
         for sentinel in multiprocessing.connection.wait(list(running), timeout=remaining):
             rank = running.pop(sentinel)
             procs[rank].join(timeout=5)  # reap it, so that exitcode is set
             if procs[rank].exitcode != 0 or not os.path.exists(_path(workdir, "result", rank)):
-                raise _failure(rank, procs[rank].exitcode, workdir)
+                failed.append(rank)
+        if failed:
+            # Several ranks can be seen dead at once: the one that raised, and peers whose
+            # collective broke when it died (gloo notices within milliseconds). Report the
+            # rank whose error was written first: the cause, not a consequence.
+            first = min(failed, key=lambda r: _mtime(_path(workdir, "error", r)))
+            raise _failure(first, procs[first].exitcode, workdir)
 
 
 def _failure(rank: int, exitcode: int | None, workdir: str) -> WorkerError:

@@ -108,6 +108,8 @@ def _gb(nbytes: float) -> str:
 def summary(calc: Calculation) -> str:
     """One sentence: what the selected stage holds per GPU, against DDP."""
     ddp, sel = calc.stages["DDP"].total, calc.selected.total
+    if calc.stage == "DDP":
+        return f"DDP holds {_gb(sel)} per GPU, the same on each of the {calc.world_size} GPUs."
     return (f"{calc.stage} holds {_gb(sel)} per GPU on {calc.world_size} GPUs "
             f"(DDP: {_gb(ddp)}, {ddp / sel:.3g}x less).")
 

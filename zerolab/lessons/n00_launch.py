@@ -1,0 +1,93 @@
+"""Notebook 00: ranks, process groups and the first all-reduce, on spawned processes.
+
+Every function here runs on each rank of `zerolab.launch(fn, world_size=N)`: N fresh Python
+processes, each with the default process group already initialised. They return plain data,
+which `launch` brings back to the notebook as a list ordered by rank.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import zerolab
+from zerolab import comm
+
+
+def first_all_reduce(late_seconds: float = 0.1) -> dict:
+    """Who am I, and the first collective: every rank adds its vector into everyone's.
+
+    Rank r contributes x_r = (r + 1) * [1, 10, 100] (3,), and `all_reduce` (sum) overwrites
+    x_r in place with x_0 + x_1 + ... + x_{N-1} on every rank: N(N+1)/2 * [1, 10, 100].
+    Before the call, rank r is busy for r * late_seconds (a sleep, standing in for a slower
+    forward pass), so that the timeline shows who waits for whom.
+
+    Returns, for this rank: rank, world_size, backend, device, pid, torch threads, the vector
+    before and after (lists of ints: the values are small integers, exact in float32), and the
+    CommLog of the call (what zerolab.comm recorded: op, tag, bytes, times; and the "work" span).
+    """
+    ctx = zerolab.init_from_env()  # already initialised by launch: just reads where we are
+    x = torch.tensor([1.0, 10.0, 100.0], device=ctx.device) * (ctx.rank + 1)  # (3,)
+    before = [int(v) for v in x.tolist()]
+    with zerolab.record_comm() as log:  # starts with a barrier: the ranks' clocks line up
+        with log.span("work"):
+            time.sleep(ctx.rank * late_seconds)
+        comm.all_reduce(x, tag="lesson00/first")  # in place; every rank must make this call
+    return {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "backend": ctx.backend,
+        "device": str(ctx.device),
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+        "before": before,
+        "after": [int(v) for v in x.tolist()],
+        "log": log,
+    }
+
+
+def process_groups() -> dict:
+    """All-reduce over the whole world, then only within pairs of ranks (an even world size).
+
+    Every rank creates every group, in the same order (group creation is itself collective);
+    rank r then talks only in its own pair {2k, 2k+1}. Rank r contributes r + 1.
+
+    Returns: rank, the global ranks in its pair, its rank inside the pair, the world sum
+    (N(N+1)/2) and the pair sum ((2k+1) + (2k+2)), as ints.
+    """
+    ctx = zerolab.init_from_env()
+    if ctx.world_size % 2:
+        raise ValueError(f"process_groups pairs ranks up: use an even world size, "
+                         f"not {ctx.world_size}")
+    pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(ctx.world_size // 2)]
+    mine = pairs[ctx.rank // 2]
+    x = torch.tensor([ctx.rank + 1.0], device=ctx.device)  # (1,)
+    world, pair = x.clone(), x.clone()
+    comm.all_reduce(world, tag="lesson00/world")  # default group: every rank
+    comm.all_reduce(pair, tag="lesson00/pair", group=mine)  # only the two ranks of `mine`
+    return {
+        "rank": ctx.rank,
+        "pair": dist.get_process_group_ranks(mine),
+        "rank_in_pair": dist.get_rank(mine),
+        "world_sum": int(world.item()),
+        "pair_sum": int(pair.item()),
+    }
+
+
+def fail_on(bad_rank: int, busy_seconds: float = 600.0) -> int:
+    """Rank `bad_rank` raises at once; every other rank is busy for `busy_seconds`.
+
+    Shows what `launch` does with a failure: it names the rank that raised, carries its
+    traceback, and kills the ranks still running instead of waiting for them. (The others
+    sleep rather than wait in a collective: gloo notices a dead peer within milliseconds and
+    raises too, and then which failure is seen first would be a race. NCCL, on the contrary,
+    would leave them waiting until its watchdog timeout, minutes later.)
+    """
+    rank = dist.get_rank()
+    if rank == bad_rank:
+        raise ValueError(f"rank {rank} found a NaN in its batch")
+    time.sleep(busy_seconds)  # a long forward pass, or a collective waiting for bad_rank
+    return rank

@@ -1,0 +1,171 @@
+"""Notebook 02: all-reduce, reduce-scatter and all-gather; a ring all-gather from send/recv.
+
+`collectives_tour` runs on each rank of `zerolab.launch(collectives_tour, world_size=4)`. To
+measure at world sizes 2, 3 and 4 without paying for three launches, it builds process groups
+of the first k ranks (notebook 00) and runs each experiment inside one: ranks outside the group
+skip it. Group rank and global rank coincide in these groups (they start at rank 0), which
+keeps the send/recv code readable.
+
+Every tensor here holds small integers, so every sum is exact in float32 and printed values
+can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import zerolab
+from zerolab import comm
+from zerolab.comm import CommLog
+
+
+def pass_right(send: torch.Tensor, recv: torch.Tensor, rank: int, world_size: int,
+               group: dist.ProcessGroup | None, tag: str) -> None:
+    """One ring step: send `send` to rank + 1, receive `recv` (filled in place) from rank - 1.
+
+    A blocking send returns only once the receiver has posted its receive. If every rank sent
+    first, every rank would wait for ever; so even ranks send then receive and odd ranks
+    receive then send. Rank 0 (even) starts, rank 1 receives it, and the ring unwinds (with an
+    odd world size too: the last rank, even, waits on rank 0's receive, which comes after
+    rank 0's send has been taken by rank 1).
+    """
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    if rank % 2 == 0:
+        comm.send(send, right, tag=f"{tag}/send", group=group)
+        comm.recv(recv, left, tag=f"{tag}/recv", group=group)
+    else:
+        comm.recv(recv, left, tag=f"{tag}/recv", group=group)
+        comm.send(send, right, tag=f"{tag}/send", group=group)
+
+
+def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
+                    tag: str = "ring_ag") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """All-gather built from sends and receives around a ring.
+
+    shard: (k,), this rank's piece. Returns (out, snapshots): out (N*k,) holds every rank's
+    shard in rank order, like torch's all-gather; snapshots[s] is a copy of out after step s
+    (slots not received yet are NaN), to watch the ring fill up.
+
+    N - 1 steps. At step s, rank r forwards the shard it received at step s - 1 (its own at
+    step 0), that is shard (r - s) mod N, and receives shard (r - s - 1) mod N from the left.
+    Every rank sends N - 1 shards of k elements: (N-1)/N of the output's bytes.
+    """
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    out = torch.full((n * shard.numel(),), float("nan"), dtype=shard.dtype, device=shard.device)
+    slots = out.chunk(n)  # views into out: receiving into a slot fills out
+    slots[rank].copy_(shard)
+    snapshots = [out.clone()]
+    for step in range(n - 1):
+        pass_right(slots[(rank - step) % n], slots[(rank - step - 1) % n], rank, n, group,
+                   tag=f"{tag}/step{step}")
+        snapshots.append(out.clone())
+    return out, snapshots
+
+
+def _ints(t: torch.Tensor) -> list:
+    """A tensor of small integers (NaN: not received yet) as a list of ints (None for NaN)."""
+    return [None if v != v else int(v) for v in t.tolist()]
+
+
+def seeds_example(group: dist.ProcessGroup, device: torch.device) -> dict:
+    """The seeds' 3-rank example, then all-gather, all-reduce and AR = RS + AG on it.
+
+    Rank r's input is 3 chunks of 2: chunk j = [(r+1)*1, (r+1)*2] ** (j+1), laid end to end
+    (6,). reduce-scatter (sum) gives rank r chunk r summed over the ranks (2,):
+    rank 0 [6, 12], rank 1 [14, 56], rank 2 [36, 288].
+    """
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    base = torch.tensor([1.0, 2.0], device=device) * (rank + 1)
+    x = torch.cat([base ** (j + 1) for j in range(n)])  # (n*2,): n chunks of 2
+
+    mine = torch.empty(2, device=device)
+    comm.reduce_scatter(mine, x, tag="lesson02/seeds/reduce_scatter", group=group)
+
+    gathered = torch.empty(n * 2, device=device)  # everyone's reduce-scatter result, in order
+    comm.all_gather(gathered, mine, tag="lesson02/seeds/all_gather", group=group)
+
+    reduced = x.clone()
+    comm.all_reduce(reduced, tag="lesson02/seeds/all_reduce", group=group)
+
+    ring, snapshots = ring_all_gather(mine, group, tag="lesson02/seeds/ring")
+    return {
+        "input_chunks": [_ints(c) for c in x.chunk(n)],
+        "reduce_scatter": _ints(mine),
+        "all_gather": _ints(gathered),
+        "all_reduce": _ints(reduced),
+        "rs_then_ag_equals_ar": torch.equal(gathered, reduced),  # AR = RS + AG
+        "ring_snapshots": [_ints(s) for s in snapshots],
+        "ring_equals_torch": torch.equal(ring, gathered),
+    }
+
+
+def bytes_experiment(group: dist.ProcessGroup, numel: int, device: torch.device
+                     ) -> dict[str, CommLog]:
+    """Each collective on a float32 tensor of S = 4 * numel bytes, logged separately.
+
+    numel must divide by the group's size. Returns {name: this rank's CommLog}: "all_reduce",
+    "reduce_scatter", "all_gather", "rs+ag" (a reduce-scatter then an all-gather: an
+    all-reduce in two halves) and "ring all_gather" (ours: its bytes are the real payloads of
+    its sends). In each log, nbytes is S and sent_bytes what this rank sends.
+    """
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    gen = torch.Generator().manual_seed(rank)
+    full = torch.randint(-9, 10, (numel,), generator=gen).float().to(device)  # (numel,)
+    part = torch.empty(numel // n, device=device)  # (numel / n,)
+    logs = {}
+    with zerolab.record_comm(group) as logs["all_reduce"]:
+        comm.all_reduce(full.clone(), tag="lesson02/bytes/all_reduce", group=group)
+    with zerolab.record_comm(group) as logs["reduce_scatter"]:
+        comm.reduce_scatter(part, full, tag="lesson02/bytes/reduce_scatter", group=group)
+    with zerolab.record_comm(group) as logs["all_gather"]:
+        comm.all_gather(torch.empty_like(full), part, tag="lesson02/bytes/all_gather",
+                        group=group)
+    with zerolab.record_comm(group) as logs["rs+ag"]:
+        comm.reduce_scatter(part, full, tag="lesson02/bytes/rs", group=group)
+        comm.all_gather(torch.empty_like(full), part, tag="lesson02/bytes/ag", group=group)
+    with zerolab.record_comm(group) as logs["ring all_gather"]:
+        ring_all_gather(part, group, tag="lesson02/bytes/ring")
+    return logs
+
+
+def timeline_experiment(group: dist.ProcessGroup | None, numel: int, device: torch.device
+                        ) -> CommLog:
+    """One log of: an all-reduce, a reduce-scatter + all-gather, and our ring all-gather, on
+    a tensor big enough (4 * numel bytes) for each call to take visible time. Spans name the
+    three phases ("phase 1: all-reduce", ...), so that the timeline's upper lane says which is
+    which."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    full = torch.full((numel,), float(rank + 1), device=device)
+    part = torch.empty(numel // n, device=device)
+    with zerolab.record_comm(group) as log:
+        with log.span("phase 1: all-reduce"):
+            comm.all_reduce(full.clone(), tag="lesson02/time/all_reduce", group=group)
+        with log.span("phase 2: RS + AG"):
+            comm.reduce_scatter(part, full, tag="lesson02/time/rs", group=group)
+            comm.all_gather(torch.empty_like(full), part, tag="lesson02/time/ag", group=group)
+        with log.span("phase 3: ring AG"):
+            ring_all_gather(part, group, tag="lesson02/time/ring")
+    return log
+
+
+def collectives_tour(bytes_numel: int = 12 * 1024, timeline_numel: int = 12 * 2**16) -> dict:
+    """Everything notebook 02 measures, in one launch of 4 ranks.
+
+    Returns, for this rank: "seeds" (on ranks 0-2: the seeds' example and friends, see
+    `seeds_example`; None on rank 3), "bytes" ({k: the logs of `bytes_experiment` in the group
+    of ranks 0..k-1} for k = 2, 3, 4, for the k this rank belongs to) and "timeline" (the log of
+    `timeline_experiment` on all 4 ranks).
+    """
+    ctx = zerolab.init_from_env()
+    # Group creation is collective: every rank creates every group, in the same order.
+    groups = {k: dist.new_group(list(range(k))) for k in (2, 3)}
+    groups[ctx.world_size] = None  # the default group: every rank
+    out: dict = {"rank": ctx.rank, "seeds": None, "bytes": {}}
+    if ctx.rank < 3:
+        out["seeds"] = seeds_example(groups[3], ctx.device)
+    for k, group in groups.items():
+        if ctx.rank < k:
+            out["bytes"][k] = bytes_experiment(group, bytes_numel, ctx.device)
+    out["timeline"] = timeline_experiment(None, timeline_numel, ctx.device)
+    return out
