@@ -56,7 +56,12 @@ def lab(tmp_path_factory):
     work = tmp_path_factory.mktemp("lab")
     shutil.copytree(NOTEBOOKS, work / "notebooks")
     port, token = free_port(), secrets.token_hex(16)
+    # Render every cell (JupyterLab 4 renders only the cells in view by default).
+    settings = work / "settings" / "@jupyterlab" / "notebook-extension"
+    settings.mkdir(parents=True)
+    (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(work / "config"),
+               JUPYTERLAB_SETTINGS_DIR=str(work / "settings"),
                JUPYTER_RUNTIME_DIR=str(work / "runtime"), PYTHONPATH=str(ROOT))
     log = open(work / "lab.log", "w")
     server = subprocess.Popen(
@@ -99,7 +104,8 @@ def browser():
 def open_notebook(browser, lab, name: str):
     base, token = lab
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    page.goto(f"{base}/lab/tree/{name}?token={token}")
+    # reset: a fresh workspace, with only this notebook open (not the last test's tabs)
+    page.goto(f"{base}/lab/tree/{name}?token={token}&reset")
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator, .jp-KernelStatus, "
                            ".jp-Toolbar-kernelStatus", state="attached", timeout=60_000)
@@ -121,9 +127,10 @@ def dismiss_popups(page) -> None:
     dialog.first.wait_for(state="detached", timeout=10_000)
 
 
-def shot(page, name: str) -> None:
+def shot(target, name: str) -> None:
+    """Screenshot of a page or of one element (a cell), kept as a test artifact."""
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / name), full_page=False)
+    target.screenshot(path=str(ARTIFACTS / name))
 
 
 def calculator_output_text(cell) -> str:
@@ -144,7 +151,7 @@ def test_calculator_widget_renders_and_updates(browser, lab):
                             ".jupyter-widgets .widget-slider")
     controls.first.wait_for(timeout=90_000)
     page.wait_for_timeout(1000)
-    shot(page, "calculator-before.png")
+    shot(cell, "calculator-before.png")
     before = calculator_output_text(cell)
     assert "GB" in before, before[:500]
 
@@ -163,7 +170,8 @@ def test_calculator_widget_renders_and_updates(browser, lab):
         if calculator_output_text(cell) != before:
             changed = True
             break
-    shot(page, "calculator-after.png")
+    shot(cell, "calculator-after.png")
+    page.close()
     assert changed, "moving the calculator's controls did not change its output"
 
 
@@ -173,5 +181,6 @@ def test_a_plot_shows_as_an_image(browser, lab):
     image.scroll_into_view_if_needed(timeout=60_000)
     image.wait_for(timeout=60_000)
     width = image.evaluate("img => img.naturalWidth")
-    shot(page, "plot.png")
+    shot(page, "plot.png")  # the whole page: JupyterLab around the notebook
+    page.close()
     assert width > 200, f"the plot image did not load (natural width {width})"
