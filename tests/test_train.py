@@ -1,0 +1,96 @@
+"""`python -m zerolab.train`: under torchrun and spawned by itself, the loss goes down.
+
+Both launches train on the same global batches, so their losses agree whatever the strategy
+(world size 2: the strategies are bitwise equal to torch DDP, see test_strategies.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerolab.data import BUILTIN_TEXT, CharTokenizer, Corpus
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 8
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def run(args: list[str], tmp_path: Path, name: str) -> tuple[subprocess.CompletedProcess, dict]:
+    json_path = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, *args, "--json", str(json_path)], capture_output=True,
+                          text=True, timeout=300, cwd=REPO, env=subprocess_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, json.loads(json_path.read_text())
+
+
+@pytest.fixture(scope="module")
+def torchrun_zero3(tmp_path_factory):
+    return run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "-m", "zerolab.train", "--strategy", "zero3", "--steps", str(STEPS)],
+               tmp_path_factory.mktemp("torchrun"), "zero3")
+
+
+def test_torchrun_zero3_loss_goes_down(torchrun_zero3):
+    proc, result = torchrun_zero3
+    losses = result["losses"]
+    assert len(losses) == STEPS
+    assert losses[-1] < losses[0]
+    assert result["world_size"] == 2 and result["config"]["strategy"] == "zero3"
+    assert "trained zero3 on 2 rank(s)" in proc.stdout  # rank 0 alone prints the summary
+    assert proc.stdout.count("trained zero3") == 1
+
+
+def test_torchrun_summary_has_every_rank(torchrun_zero3):
+    _, result = torchrun_zero3
+    assert [s["rank"] for s in result["ranks"]] == [0, 1]
+    for s in result["ranks"]:
+        assert s["sent_bytes_per_step"] > 0
+        assert set(s["sent_by_op_per_step"]) == {"all_gather", "reduce_scatter"}
+        assert 0 < sum(s["model_state_bytes"].values()) <= s["peak_bytes"]
+
+
+def test_spawned_world_size_2_with_trace(tmp_path, torchrun_zero3):
+    trace = tmp_path / "trace.json"
+    proc, result = run(["-m", "zerolab.train", "--strategy", "zero2", "--world-size", "2",
+                        "--steps", str(STEPS), "--trace", str(trace)], tmp_path, "zero2")
+    losses = result["losses"]
+    assert losses[-1] < losses[0]
+    assert "train zero2 [" in proc.stderr  # the progress bar
+    # Same batches, same initial weights: the same losses as ZeRO-3 under torchrun.
+    assert losses == pytest.approx(torchrun_zero3[1]["losses"], rel=1e-5)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1}
+    names = {e["name"] for e in events}
+    assert {"forward", "backward", "step"} <= names
+    assert any(e.get("cat") == "reduce_scatter" for e in events)
+
+
+def test_char_tokenizer_round_trip():
+    tok = CharTokenizer.from_text(BUILTIN_TEXT)
+    ids = tok.encode("Alice was")
+    assert ids.dtype == torch.long
+    assert tok.decode(ids) == "Alice was"
+    assert tok.vocab_size == len(set(BUILTIN_TEXT))
+
+
+def test_corpus_batches_are_shifted_and_deterministic():
+    corpus = Corpus.builtin()
+    x, y = corpus.batch(4, 32, seed=3)
+    assert x.shape == y.shape == (4, 32)
+    assert torch.equal(x[:, 1:], y[:, :-1])  # the target is the next character
+    x2, _ = corpus.batch(4, 32, seed=3)
+    assert torch.equal(x, x2)
+    with pytest.raises(ValueError, match="block_size"):
+        corpus.batch(1, len(corpus.tokens), seed=0)

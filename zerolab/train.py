@@ -1,0 +1,251 @@
+"""Train a tiny GPT on the built-in corpus with one of zerolab's strategies, on real processes.
+
+    python -m zerolab.train --strategy zero3 --world-size 2 --steps 50
+    torchrun --nproc-per-node 2 -m zerolab.train --strategy zero3 --steps 20
+    python -m zerolab.train --strategy zero2 --trace trace.json     # open in ui.perfetto.dev
+
+Without torchrun, the command spawns `--world-size` ranks itself (`zerolab.launch`: gloo on CPU,
+NCCL with one GPU per rank). Under torchrun (which sets RANK and WORLD_SIZE) every process joins
+the job with `zerolab.init_from_env()` and trains: the same code on one laptop or many nodes.
+
+Each step draws one global batch of `world_size * batch_size` windows of the corpus (the same
+on every rank, from the step's seed) and every rank trains on its own rows, so the losses do not
+depend on the strategy or on how the ranks were started. At the end it prints, per rank, the
+model-state bytes held after the last optimizer step, the peak memory of the last step (tracked
+with `zerolab.track_memory`, on that step only: the tracker slows every op) and the bytes each
+rank sent per step (`zerolab.record_comm`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import zerolab
+from zerolab.bench import ProgressBar, ProgressFile, follow_progress
+from zerolab.comm import save_chrome_trace, span
+from zerolab.data import Corpus
+from zerolab.models import GPT, GPTConfig, num_params
+
+ENGINES = {"ddp": zerolab.DDP, "zero1": zerolab.ZeRO1, "zero2": zerolab.ZeRO2,
+           "zero3": zerolab.ZeRO3}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run. Model sizes default to a GPT that learns the corpus in seconds."""
+
+    strategy: str = "zero3"  # ddp | zero1 | zero2 | zero3
+    steps: int = 50  # optimizer steps
+    world_size: int = 2  # ranks to spawn (ignored under torchrun, which decides)
+    batch_size: int = 8  # sequences per rank per step
+    block_size: int = 64  # characters per sequence
+    n_layer: int = 2  # transformer blocks (ZeRO-3 units)
+    n_head: int = 4  # attention heads
+    n_embd: int = 64  # hidden size
+    lr: float = 3e-3  # AdamW learning rate
+    weight_decay: float = 0.01  # AdamW weight decay
+    log_every: int = 10  # print the loss every this many steps (and at the first and last)
+    seed: int = 0  # initial weights and the batches
+    trace: str | None = None  # write a Chrome/Perfetto trace of every step here
+    json: str | None = None  # write losses and the per-rank summary here
+    backend: str | None = None  # spawn only: None picks nccl with a GPU per rank, else gloo
+    progress: bool = True  # a progress bar on stderr
+
+    def check(self) -> None:
+        if self.strategy not in ENGINES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose from {list(ENGINES)}")
+        if self.steps < 1:
+            raise ValueError("steps must be at least 1")
+
+
+def train_worker(config: TrainConfig,
+                 progress: ProgressBar | ProgressFile | None = None) -> dict[str, Any] | None:
+    """Train on this rank. Rank 0 returns the losses and every rank's summary; others None."""
+    ctx = zerolab.init_from_env()
+    corpus = Corpus.builtin()
+    model_config = GPTConfig(vocab_size=corpus.tokenizer.vocab_size,
+                             block_size=config.block_size, n_layer=config.n_layer,
+                             n_head=config.n_head, n_embd=config.n_embd, seed=config.seed)
+    model = GPT(model_config).to(ctx.device)
+    params = num_params(model)  # before the engine shards it: Ψ, every parameter once
+    engine = ENGINES[config.strategy](model, torch.optim.AdamW, lr=config.lr,
+                                      weight_decay=config.weight_decay)
+    show = progress if ctx.rank == 0 else None
+
+    def log(text: str) -> None:
+        if show is not None:
+            show.message(text)
+        elif ctx.rank == 0:
+            print(text, flush=True)
+
+    log(f"{config.strategy} on {ctx.world_size} rank(s) ({ctx.backend}), "
+        f"{params:,} parameters, vocabulary of {corpus.tokenizer.vocab_size} chars")
+    losses: list[float] = []
+    start = time.perf_counter()
+    with zerolab.record_comm() as comm_log:
+        for step in range(config.steps):
+            x, y = global_batch_rows(corpus, config, step, ctx.rank, ctx.world_size)
+            x, y = x.to(ctx.device), y.to(ctx.device)
+            last = step == config.steps - 1
+            # The tracker follows every op: only the last step pays for it.
+            tracker = (zerolab.track_memory(engine.state_tensors) if last
+                       else contextlib.nullcontext())
+            with tracker as memory:
+                with span("forward"):
+                    loss = model.loss(engine(x), y)
+                with span("backward"):
+                    loss.backward()
+                with span("step"):
+                    engine.step()
+            state_bytes = engine.model_state_bytes()  # after step, before zero_grad
+            engine.zero_grad()
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)  # not zerolab.comm: logging, not training traffic
+            losses.append(mean_loss.item() / ctx.world_size)
+            if show is not None:
+                show(step + 1, config.steps, f"loss {losses[-1]:.3f}")
+            if step % config.log_every == 0 or last:
+                log(f"step {step + 1:>4}/{config.steps}  loss {losses[-1]:.4f}")
+    seconds = time.perf_counter() - start
+
+    summary = {"rank": ctx.rank, "model_state_bytes": state_bytes,
+               "peak_bytes": memory.peak_bytes, "peak_by_category": memory.peak_by_category,
+               "device_peak_bytes": memory.device_peak_bytes,
+               "sent_bytes_per_step": comm_log.total_bytes() / config.steps,
+               "sent_by_op_per_step": {op: b / config.steps
+                                       for op, b in comm_log.bytes_by_op().items()},
+               "collectives_per_step": len(comm_log.events) / config.steps}
+    summaries = gather_to_rank0(summary, ctx.rank, ctx.world_size)
+    logs = gather_to_rank0(comm_log, ctx.rank, ctx.world_size) if config.trace else None
+    if ctx.rank != 0:
+        return None
+    if logs is not None:
+        save_chrome_trace(config.trace, logs)
+    return {"config": asdict(config), "params": params, "world_size": ctx.world_size,
+            "backend": ctx.backend, "seconds": seconds, "losses": losses,
+            "ranks": summaries}
+
+
+def global_batch_rows(corpus: Corpus, config: TrainConfig, step: int, rank: int,
+                      world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's rows of the step's global batch (identical on every rank before slicing)."""
+    x, y = corpus.batch(world_size * config.batch_size, config.block_size,
+                        seed=config.seed * 1_000_003 + step)
+    rows = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
+    return x[rows], y[rows]
+
+
+def gather_to_rank0(obj: Any, rank: int, world_size: int) -> list[Any] | None:
+    """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+    if world_size == 1:
+        return [obj]
+    out: list[Any] | None = [None] * world_size if rank == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def format_summary(result: dict[str, Any]) -> str:
+    """Loss at the start and end, then per rank: memory held, peak, and traffic."""
+    losses = result["losses"]
+    mib = 2**20
+    lines = [f"trained {result['config']['strategy']} on {result['world_size']} rank(s) "
+             f"({result['backend']}): {len(losses)} steps in {result['seconds']:.1f} s, "
+             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+             "rank  state MiB (params/grads/optim)  peak MiB last step (params/grads/optim/"
+             "other)  sent MiB/step (by op)"]
+    for s in result["ranks"]:
+        st, pk = s["model_state_bytes"], s["peak_by_category"]
+        state = "/".join(f"{st[c] / mib:.2f}" for c in ("params", "grads", "optimizer"))
+        peak = "/".join(f"{pk.get(c, 0) / mib:.2f}"
+                        for c in ("params", "grads", "optimizer", "other"))
+        ops = ", ".join(f"{op} {b / mib:.2f}" for op, b in s["sent_by_op_per_step"].items())
+        lines.append(f"{s['rank']:>4}  {sum(st.values()) / mib:6.2f} ({state})  "
+                     f"{s['peak_bytes'] / mib:6.2f} ({peak})  "
+                     f"{s['sent_bytes_per_step'] / mib:.2f} ({ops})")
+    return "\n".join(lines)
+
+
+def under_torchrun() -> bool:
+    """torchrun (and other launchers) describe the job in RANK and WORLD_SIZE."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def run(config: TrainConfig) -> dict[str, Any] | None:
+    """Train; return rank 0's result (None on the other ranks under torchrun)."""
+    config.check()
+    if under_torchrun():
+        bar = ProgressBar(f"train {config.strategy}") if config.progress else None
+        result = train_worker(config, bar)
+        dist.destroy_process_group()
+        return result
+    bar = ProgressBar(f"train {config.strategy}") if config.progress else None
+    with follow_progress(bar) if bar else contextlib.nullcontext() as sink:
+        results = zerolab.launch(train_worker, config.world_size, args=(config, sink),
+                                 backend=config.backend, timeout=3600)
+    if not config.progress:  # the ranks' loss log went to their own logs: print it here
+        for i, loss in enumerate(results[0]["losses"]):
+            if i % config.log_every == 0 or i == len(results[0]["losses"]) - 1:
+                print(f"step {i + 1:>4}/{config.steps}  loss {loss:.4f}")
+    return results[0]
+
+
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    d = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m zerolab.train",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--strategy", choices=list(ENGINES), default=d.strategy)
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--world-size", type=int, default=d.world_size,
+                   help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="sequences per rank per step")
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--n-layer", type=int, default=d.n_layer)
+    p.add_argument("--n-head", type=int, default=d.n_head)
+    p.add_argument("--n-embd", type=int, default=d.n_embd)
+    p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace")
+    p.add_argument("--json", metavar="PATH", help="write losses and the summary as JSON")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="spawn only (default: auto)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    a = p.parse_args(argv)
+    return TrainConfig(strategy=a.strategy, steps=a.steps, world_size=a.world_size,
+                       batch_size=a.batch_size, block_size=a.block_size, n_layer=a.n_layer,
+                       n_head=a.n_head, n_embd=a.n_embd, lr=a.lr, log_every=a.log_every,
+                       seed=a.seed, trace=a.trace, json=a.json, backend=a.backend,
+                       progress=not a.no_progress)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    result = run(config)
+    if result is None:  # not rank 0 under torchrun: rank 0 reports
+        return 0
+    print(format_summary(result))
+    if config.trace:
+        print(f"wrote {config.trace}")
+    if config.json:
+        with open(config.json, "w") as f:
+            json.dump(result, f, indent=1)
+        print(f"wrote {config.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the copy of this module imported as `zerolab.train` (not `__main__`), so that the
+    # spawned ranks find `train_worker` and `TrainConfig` by their importable names.
+    from zerolab.train import main as _main
+
+    sys.exit(_main())
