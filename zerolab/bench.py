@@ -678,7 +678,7 @@ def format_table(report: dict[str, Any]) -> str:
     cfg = report["config"]
     measured = "peak_bytes_per_rank" in rows[0]
     largest = max((max(r["peak_bytes_per_rank"]) for r in rows), default=0) if measured else 0
-    unit, scale = ("MiB", 2**20) if largest >= 2**20 else ("KiB", 2**10)
+    unit, scale = ("KiB", 2**10) if 0 < largest < 2**20 else ("MiB", 2**20)
     header = ["strategy", "step ms", "vs torch", f"peak {unit}/rank",
               "  params/grads/optim/other", f"state {unit}/rank", f"sent {unit}/rank/step",
               "matches ref (max |diff|)"]
@@ -711,6 +711,9 @@ def format_table(report: dict[str, Any]) -> str:
     out += [fmt.format(*cells) for cells in lines]
     out.append("peak: the rank with the larger peak; sent: zerolab from record_comm, torch from "
                "its c10d collectives (ring formula)")
+    if report["environment"]["backend"] == "gloo":
+        out.append("gloo has no reduce-scatter: it runs an all-reduce (2(N-1)/N*S, not (N-1)/N*S) "
+                   "where the table counts a reduce-scatter")
     if cfg["steps"] < 5:
         out.append(f"note: {cfg['steps']} timed round(s): the timings are indicative only")
     for t in report["targets"]:

@@ -97,17 +97,12 @@ def train_worker(config: TrainConfig,
             x, y = global_batch_rows(corpus, config, step, ctx.rank, ctx.world_size)
             x, y = x.to(ctx.device), y.to(ctx.device)
             last = step == config.steps - 1
-            # The tracker follows every op: only the last step pays for it.
-            tracker = (zerolab.track_memory(engine.state_tensors) if last
-                       else contextlib.nullcontext())
-            with tracker as memory:
-                with span("forward"):
-                    loss = model.loss(engine(x), y)
-                with span("backward"):
-                    loss.backward()
-                with span("step"):
-                    engine.step()
-            state_bytes = engine.model_state_bytes()  # after step, before zero_grad
+            if last:  # the memory tracker slows every op: only the last step pays for it
+                with zerolab.track_memory(engine.state_tensors) as memory:
+                    loss = train_step(model, engine, x, y)
+                state_bytes = engine.model_state_bytes()  # after step, before zero_grad
+            else:
+                loss = train_step(model, engine, x, y)
             engine.zero_grad()
             mean_loss = loss.detach().clone()
             dist.all_reduce(mean_loss)  # not zerolab.comm: logging, not training traffic
@@ -134,6 +129,18 @@ def train_worker(config: TrainConfig,
     return {"config": asdict(config), "params": params, "world_size": ctx.world_size,
             "backend": ctx.backend, "seconds": seconds, "losses": losses,
             "ranks": summaries}
+
+
+def train_step(model: GPT, engine: zerolab.DDP, x: torch.Tensor,
+               y: torch.Tensor) -> torch.Tensor:
+    """Forward, backward and optimizer step, each marked as a span for the trace."""
+    with span("forward"):
+        loss = model.loss(engine(x), y)
+    with span("backward"):
+        loss.backward()
+    with span("step"):
+        engine.step()
+    return loss
 
 
 def global_batch_rows(corpus: Corpus, config: TrainConfig, step: int, rank: int,
