@@ -251,24 +251,99 @@ def all_reduce(tensor: torch.Tensor, *, tag: str, op: str = "sum",
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, tag: str, op: str = "sum",
-                   group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
-    """input: (world_size * k,) on every rank; output: (k,), rank r's chunk of the reduction."""
+                   group: dist.ProcessGroup | None = None, async_op: bool = False,
+                   scratch_input: bool = False) -> Handle:
+    """input: (world_size * k,) on every rank; output: (k,), rank r's chunk of the reduction.
+
+    gloo has no reduce-scatter of its own: torch's gloo backend copies `input`, all-reduces the
+    copy and keeps this rank's chunk. zerolab does the same here, and skips the copy (S bytes of
+    memory and a pass over them) when the caller says it will not read `input` again
+    (scratch_input=True): then `input` is all-reduced in place. The event records the
+    reduce-scatter and its ring figure either way: the algorithm's cost, not gloo's.
+    """
     red = _OPS["sum" if op == "avg" else op]
     if not dist.is_initialized():
         output.copy_(input)
-    return _issue("reduce_scatter", tag, input, group, async_op,
-                  lambda: _reduce_scatter_single(output, input, op=red, group=group,
-                                                 async_op=async_op),
+
+    def call():
+        if _is_gloo(group):
+            return _reduce_scatter_by_all_reduce(output, input, red, group, async_op,
+                                                 scratch_input)
+        return _reduce_scatter_single(output, input, op=red, group=group, async_op=async_op)
+
+    return _issue("reduce_scatter", tag, input, group, async_op, call,
                   _average_after(output, op, group))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str,
                group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
-    """input: (k,) on every rank; output: (world_size * k,), the inputs in rank order."""
+    """input: (k,) on every rank; output: (world_size * k,), the inputs in rank order.
+
+    On gloo, torch's all-gather goes through a temporary flat buffer and a copy out, and takes
+    several times as long as N broadcasts, rank r sending its k elements straight into chunk r
+    of everyone's `output`: the same (N-1)/N * S bytes per rank. So on gloo zerolab issues
+    those broadcasts; the event records one all-gather.
+    """
     if not dist.is_initialized():
         output.copy_(input)
-    return _issue("all_gather", tag, output, group, async_op,
-                  lambda: _all_gather_single(output, input, group=group, async_op=async_op))
+
+    def call():
+        if _is_gloo(group):
+            return _all_gather_by_broadcasts(output, input, group, async_op)
+        return _all_gather_single(output, input, group=group, async_op=async_op)
+
+    return _issue("all_gather", tag, output, group, async_op, call)
+
+
+# ---- gloo: reduce-scatter and all-gather from its fast collectives -----------------------------
+
+
+def _is_gloo(group: dist.ProcessGroup | None) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+class _Works:
+    """Several collectives in flight as one: wait() waits for each, then runs `then` once."""
+
+    def __init__(self, works: list, then: Callable[[], object] | None = None):
+        self._works = works
+        self._then = then
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        if self._then is not None:
+            self._then()
+            self._then = None
+        return True
+
+
+def _finish_or_return(works: _Works, async_op: bool) -> _Works | None:
+    if async_op:
+        return works
+    works.wait()
+    return None
+
+
+def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, red, group,
+                                  async_op: bool, scratch_input: bool) -> _Works | None:
+    rank, k = _rank_and_size(group)[0], output.numel()
+    buffer = input if scratch_input else input.clone()
+    work = dist.all_reduce(buffer, op=red, group=group, async_op=True)
+    own = buffer.view(-1)[rank * k:(rank + 1) * k]
+    return _finish_or_return(_Works([work], lambda: output.view(-1).copy_(own)), async_op)
+
+
+def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group,
+                              async_op: bool) -> _Works | None:
+    rank, world_size = _rank_and_size(group)
+    k = input.numel()
+    chunks = [output.view(-1)[r * k:(r + 1) * k] for r in range(world_size)]
+    chunks[rank].copy_(input.view(-1))
+    works = [dist.broadcast(chunk, r if group is None else dist.get_global_rank(group, r),
+                            group=group, async_op=True)
+             for r, chunk in enumerate(chunks)]
+    return _finish_or_return(_Works(works), async_op)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, tag: str,

@@ -50,7 +50,8 @@ class FlatLayout:
 def flatten(tensors: Sequence[torch.Tensor], layout: FlatLayout) -> torch.Tensor:
     """Copy `tensors` into a new zero-padded flat buffer. (padded_numel,)"""
     ref = tensors[0]
-    flat = torch.zeros(layout.padded_numel, dtype=ref.dtype, device=ref.device)
+    flat = torch.empty(layout.padded_numel, dtype=ref.dtype, device=ref.device)
+    flat[layout.numel:].zero_()  # only the padding needs zeros: the rest is overwritten
     for t, view in zip(tensors, unflatten(flat, layout)):
         view.copy_(t)
     return flat

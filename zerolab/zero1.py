@@ -67,7 +67,8 @@ class ZeRO1(DDP):
         bucket.reduced = True
         grad_shard = torch.empty_like(bucket.local_shard)  # (shard_numel,)
         comm.reduce_scatter(grad_shard, bucket.flat_grad, op="avg",
-                            tag=f"{self.name}/step/{bucket.name}", group=self.group)
+                            tag=f"{self.name}/step/{bucket.name}", group=self.group,
+                            scratch_input=True)  # flat_grad is overwritten just below
         # Keep it inside flat_grad (the rest of which is now stale and unused), so that
         # gradients still take 4Ψ, not 4Ψ + 4Ψ/N.
         own = shard(bucket.flat_grad, bucket.layout, self.rank)

@@ -63,7 +63,8 @@ class ZeRO2(ZeRO1):
         received = torch.empty_like(bucket.grad_shard)  # (shard_numel,)
         handle = comm.reduce_scatter(received, full, op="avg",
                                      tag=f"{self.name}/bwd/{bucket.name}",
-                                     group=self.group, async_op=True)
+                                     group=self.group, async_op=True,
+                                     scratch_input=True)  # `full` is dropped once received
         self._pending.append((handle, lambda: self._accumulate(bucket, received, full)))
 
     def _accumulate(self, bucket: GradShardedBucket, received: torch.Tensor,
