@@ -2,6 +2,7 @@
 
 import importlib
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -362,7 +363,10 @@ def test_init_from_env_under_torchrun_and_alone(tmp_path):
         torchrun.kill()
         alone.kill()
     assert torchrun.returncode == 0, torchrun_out
-    lines = sorted(line for line in torchrun_out.splitlines() if line.startswith("RESULT"))
+    # The two ranks share one pipe: a rank's line may land glued to the other's, so find the
+    # records rather than split lines.
+    lines = sorted(re.findall(r"RESULT rank=\d+ world=\d+ local=\d+ backend=\w+ device=\w+ "
+                              r"sum=\d+ threads=\d+", torchrun_out))
     cpu_threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert lines == [
         f"RESULT rank={r} world=2 local={r} backend=gloo device=cpu sum=3 threads={cpu_threads}"
