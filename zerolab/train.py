@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab
+from zerolab import comm
 from zerolab.bench import ProgressBar, ProgressFile, follow_progress
 from zerolab.comm import save_chrome_trace, span
 from zerolab.data import Corpus
@@ -193,6 +194,9 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     if under_torchrun():
         bar = ProgressBar(f"train {config.strategy}") if config.progress else None
         result = train_worker(config, bar)
+        # Every rank finishes its collectives before any tears the group down (a rank that
+        # destroys it while a peer's last collective is in flight can abort at exit).
+        comm.barrier(tag="train/end")
         dist.destroy_process_group()
         return result
     bar = ProgressBar(f"train {config.strategy}") if config.progress else None
