@@ -83,7 +83,7 @@ def train_zerolab(strategy: str, kind: str) -> dict:
            "layouts": layouts}
     if strategy == "zero3":
         out["unit_layouts"] = [[(b.layout.padded_numel, b.params[0].requires_grad)
-                                for b in u.flat_params] for u in engine.units]
+                                for b in u.buckets] for u in engine.units]
     return out
 
 
@@ -157,11 +157,11 @@ def peak_memory(kind: str, strategy: str, kwargs: dict) -> dict:
            "bucket_bytes": [4 * b.layout.padded_numel for b in engine.buckets],
            "grad_shard_bytes": sum(4 * b.layout.shard_numel for b in engine.buckets)}
     if strategy == "zero3":
-        units = [sum(b.layout.padded_numel * 4 for b in u.flat_params) for u in engine.units]
+        units = [sum(b.layout.padded_numel * 4 for b in u.buckets) for u in engine.units]
         out["unit_bytes"] = units[:-1]
         out["root_bytes"] = units[-1]
         out["shard_bytes"] = sum(b.local_shard.numel() * 4
-                                 for u in engine.units for b in u.flat_params)
+                                 for u in engine.units for b in u.buckets)
     return out
 
 

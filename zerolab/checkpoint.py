@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from zerolab import comm
+from zerolab.sharding import local_values
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -45,7 +46,34 @@ class Piece:
     scalars: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. Adam's "step"
 
 
-def optimizer_piece_state(optimizer: torch.optim.Optimizer, param: torch.Tensor):
+def pieces(engine) -> list[Piece]:
+    """What this rank writes: a piece per slot it holds (read from the engine's public layout).
+
+    A sharded slot (ZeRO) is this rank's shard of a bucket; a whole one (DDP, and frozen
+    parameters outside ZeRO-3) is the same on every rank, so rank 0 alone writes it.
+    """
+    names = param_names(engine.module)
+    held = [*zip(engine.slots, engine.masters), *((s, s.tensor) for s in engine.frozen_slots())]
+    out = []
+    for slot, master in held:
+        if slot.layout is None and engine.rank != 0:
+            continue
+        start = 0 if slot.layout is None else slot.layout.shard_range(engine.rank)[0]
+        tensors, scalars = _optimizer_state(engine.optimizer, master)
+        # The layout keeps the shapes: ZeRO-3's parameters are empty at rest.
+        shapes = [tuple(p.shape) for p in slot.params] if slot.layout is None else [
+            tuple(s) for s in slot.layout.shapes]
+        out.append(Piece([names[p] for p in slot.params], shapes, start, {"param": master.detach().float().reshape(-1).clone(), **tensors},
+                         scalars))
+    return out
+
+
+def param_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
+    """Each parameter's name (a tied weight: its first name)."""
+    return {p: n for n, p in module.named_parameters()}
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor):
     """Split one optimizer parameter's state into per-element tensors and scalars."""
     tensors, scalars = {}, {}
     for key, value in optimizer.state.get(param, {}).items():
@@ -65,7 +93,7 @@ def save(engine, folder: str) -> None:
         os.remove(os.path.join(folder, MANIFEST))  # from now on the folder reads "incomplete"
     comm.barrier(tag=tag, group=engine.group)
     payload = {
-        "pieces": [asdict(p) for p in engine.pieces()],
+        "pieces": [asdict(p) for p in pieces(engine)],
         "buffers": {k: v.detach().clone() for k, v in engine.module.named_buffers()}
         if rank == 0 else {},
     }
@@ -151,12 +179,45 @@ def load(engine, folder: str) -> None:
 
 
 def load_full(engine, full: dict) -> None:
-    """Load a consolidated checkpoint (or a plain model state_dict as full["model"])."""
-    missing = [n for n, _ in engine.module.named_parameters() if n not in full["model"]]
+    """Load a consolidated checkpoint (or a plain model state_dict as full["model"]).
+
+    Every rank cuts its own part of the full tensors under its own layout, so the checkpoint
+    may come from any stage at any world size.
+    """
+    params, optimizer_state = full["model"], full.get("optimizer", {})
+    missing = [n for n, _ in engine.module.named_parameters() if n not in params]
     if missing:
         raise CheckpointError(f"the checkpoint has no values for parameters {missing[:5]}")
-    engine.load_full(full["model"], full.get("optimizer", {}))
+    names = param_names(engine.module)
+    held = [*zip(engine.slots, engine.masters), *((s, s.tensor) for s in engine.frozen_slots())]
     with torch.no_grad():
+        for name, p in engine.module.named_parameters():
+            if p.numel() > 0:  # held in full now (ZeRO-3's resharded parameters are empty)
+                p.copy_(params[name])
+        for slot, master in held:
+            values = [params[names[p]] for p in slot.params]
+            for target in {id(t): t for t in (slot.tensor, master)}.values():
+                target.copy_(local_values(values, slot.layout, engine.rank).view_as(target))
         for name, buf in engine.module.named_buffers():
-            if name in full["model"]:
-                buf.copy_(full["model"][name])
+            if name in params:
+                buf.copy_(params[name])
+    for slot, master in zip(engine.slots, engine.masters):
+        state = _slot_optimizer_state(optimizer_state, [names[p] for p in slot.params], slot,
+                                      engine.rank)
+        if state:
+            engine.optimizer.state[master] = {k: v.view_as(master) if torch.is_tensor(v) and
+                                              v.dim() > 0 else v for k, v in state.items()}
+
+
+def _slot_optimizer_state(optimizer_state: dict[str, dict], names: list[str], slot,
+                          rank: int) -> dict:
+    """This rank's part of the full per-parameter optimizer state of one slot."""
+    first = optimizer_state.get(names[0], {})
+    state = {}
+    for key, value in first.items():
+        if torch.is_tensor(value) and value.dim() > 0:  # per element: take our part
+            values = [optimizer_state[n][key] for n in names]
+            state[key] = local_values(values, slot.layout, rank).clone()
+        else:  # per tensor, e.g. Adam's step count
+            state[key] = value.clone() if torch.is_tensor(value) else value
+    return state

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from zerolab.nest import tensors_in
+
 CATEGORIES = ("params", "grads", "optimizer")
 StateTensors = dict[str, Iterable[torch.Tensor]]
 
@@ -130,7 +132,7 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in _tensors(out):
+        for t in tensors_in(out):
             self.watch(t)
         self.sample()  # after every op: allocations, frees and in-place resizes since the last
         return out
@@ -140,14 +142,6 @@ class _Tracker(TorchDispatchMode):
         for _, fin in self.live.values():
             fin.detach()
         self.live.clear()
-
-
-def _tensors(x) -> Iterable[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        yield x
-    elif isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _tensors(y)
 
 
 class track_memory:  # noqa: N801 (used like a function: `with track_memory(...) as trace`)

@@ -66,3 +66,30 @@ def shard(flat: torch.Tensor, layout: FlatLayout, rank: int) -> torch.Tensor:
     """Rank's shard of a flat buffer, as a view. (shard_numel,)"""
     start, end = layout.shard_range(rank)
     return flat[start:end]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """What one rank holds of a run of parameters, and where it sits in them.
+
+    DDP holds each parameter whole (layout None, the same on every rank); the ZeRO stages hold
+    a flat shard of a bucket (this rank's `local_shard` under `layout`). The optimizer steps
+    the slots' tensors (or fp32 masters of them), and checkpoints save and load them by the
+    parameters' names, whatever the stage or the world size that wrote them.
+    """
+
+    tensor: torch.Tensor  # the parameter itself, or this rank's (shard_numel,) local_shard
+    params: tuple[torch.nn.Parameter, ...]  # the parameters it covers, in flat order
+    layout: FlatLayout | None  # None: held whole, replicated on every rank
+
+
+def local_values(values: Sequence[torch.Tensor], layout: FlatLayout | None,
+                 rank: int) -> torch.Tensor:
+    """This rank's part of full per-parameter `values` under a slot's layout.
+
+    values: one full tensor per parameter of the slot. Returns the one tensor itself (layout
+    None), or rank's (shard_numel,) shard of them laid end to end and padded.
+    """
+    if layout is None:
+        return values[0]
+    return shard(flatten(values, layout), layout, rank)

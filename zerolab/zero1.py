@@ -11,7 +11,8 @@ What changes from DDP (ddp.py):
   every rank updates its shard, and the parameters are all-gathered (Ψ): 2Ψ per step, like DDP.
 
 `ZeRO1Naive` is the version many tutorials show: all-reduce the full gradient (2Ψ), keep your
-shard of it, then all-gather the parameters (Ψ): 3Ψ, a third more traffic for the same result.
+shard of it, then all-gather the parameters (Ψ): 3Ψ, half as much again (1.5x) for the same
+result.
 
 Note: the optimizer steps on a flat shard, so it must be elementwise (SGD, Adam, AdamW, ...):
 Adam's update of an element depends only on that element's gradient history, so updating a
@@ -27,9 +28,8 @@ import torch
 from torch import nn
 
 from zerolab import comm
-from zerolab.checkpoint import Piece, optimizer_piece_state
 from zerolab.ddp import DDP, Bucket
-from zerolab.sharding import FlatLayout, flatten, shard, unflatten
+from zerolab.sharding import Slot, flatten, shard, unflatten
 
 
 @dataclass
@@ -58,6 +58,11 @@ class ZeRO1(DDP):
         # nn.Parameter shares storage with the view it wraps: no copy.
         b.local_shard = nn.Parameter(shard(b.flat_param, b.layout, self.rank),
                                      requires_grad=b.params[0].requires_grad)
+
+    def _slots(self) -> list[Slot]:
+        """The heart of ZeRO-1: the optimizer sees only this rank's shard of each bucket, so it
+        creates Adam's m and v for shard_numel elements, not for the whole model."""
+        return [Slot(b.local_shard, tuple(b.params), b.layout) for b in self.buckets]
 
     def _bucket_ready(self, bucket: ShardedBucket) -> None:
         """ZeRO-1 (as in the paper) reduces after backward, in step(): nothing to do yet."""
@@ -97,30 +102,6 @@ class ZeRO1(DDP):
         state = super().state_tensors()
         state["params"] = [b.flat_param for b in self.buckets] + state["params"]
         return state
-
-
-    # ---- checkpoints: a rank owns its shard of each bucket ---------------------------------------
-
-    def pieces(self) -> list[Piece]:
-        names = self._names()
-        # Frozen parameters are not sharded in ZeRO-1/2: rank 0 speaks for them.
-        out = self._frozen_pieces() if self.rank == 0 else []
-        for master, b in zip(self.masters, self.buckets):
-            out.append(self._flat_piece(b, master, names))
-        return out
-
-    def _flat_piece(self, b: ShardedBucket, master: torch.Tensor, names) -> Piece:
-        """This rank's shard of a flat_param (fp32: the master is the shard itself)."""
-        tensors, scalars = optimizer_piece_state(self.optimizer, master)
-        return Piece([names[p] for p in b.params], [tuple(s) for s in b.layout.shapes],
-                     b.layout.shard_range(self.rank)[0],
-                     {"param": master.detach().float().clone(), **tensors}, scalars)
-
-    def _optimizer_slots(self):
-        return [(b.local_shard, b.params, b.layout) for b in self.buckets]
-
-    def _slice(self, values: list[torch.Tensor], layout: FlatLayout | None) -> torch.Tensor:
-        return shard(flatten(values, layout), layout, self.rank)
 
 
 class ZeRO1Naive(ZeRO1):

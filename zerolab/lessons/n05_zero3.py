@@ -35,11 +35,11 @@ TIMELINE_BATCH_PER_RANK = 32  # sequences per rank in the step drawn on the time
 
 def unit_facts(engine: zerolab.ZeRO3) -> dict[str, Any]:
     """Each unit's gathered size and this rank's shards, in bytes (fp32)."""
-    units = {u.name: sum(4 * b.layout.padded_numel for b in u.flat_params) for u in engine.units}
+    units = {u.name: sum(4 * b.layout.padded_numel for b in u.buckets) for u in engine.units}
     return {
         "unit_bytes": units,  # {"blocks.0": .., ..., "root": ..}, in the order they are listed
-        "shard_bytes": sum(b.local_shard.numel() * 4 for u in engine.units for b in u.flat_params),
-        "padded_numel": sum(b.layout.padded_numel for u in engine.units for b in u.flat_params),
+        "shard_bytes": sum(b.local_shard.numel() * 4 for u in engine.units for b in u.buckets),
+        "padded_numel": sum(b.layout.padded_numel for u in engine.units for b in u.buckets),
     }
 
 
