@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from zerolab import bench
+from zerolab import bench_config, harness, progress
 from zerolab.models import GPT, num_params
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +43,7 @@ def quick(tmp_path_factory) -> dict:
 
 def test_every_strategy_matches_the_reference(quick):
     rows = quick["rows"]
-    assert set(rows) == set(bench.STRATEGIES)
+    assert set(rows) == set(bench_config.STRATEGIES)
     for key, row in rows.items():
         assert row["matches_reference"] is True, (
             f"{key}: max |param - torch DDP's| = {row['max_abs_diff']:.2e} > "
@@ -52,10 +52,10 @@ def test_every_strategy_matches_the_reference(quick):
 
 def test_table_lists_all_seven_strategies(quick):
     table = quick["proc"].stdout
-    for label in bench.LABELS.values():
+    for label in bench_config.LABELS.values():
         assert label in table
-    for key in bench.TIME_TARGETS:
-        assert f"target {bench.LABELS[key]} step time" in table
+    for key in bench_config.TIME_TARGETS:
+        assert f"target {bench_config.LABELS[key]} step time" in table
 
 
 def test_timings_and_measurements_are_complete(quick):
@@ -67,7 +67,7 @@ def test_timings_and_measurements_are_complete(quick):
         for state, peak in zip(row["model_state_bytes_per_rank"], row["peak_bytes_per_rank"]):
             assert 0 < sum(state.values()) <= peak, key
         assert not row["c10d_unknown_ops"], key
-    for key in bench.TIME_TARGETS:
+    for key in bench_config.TIME_TARGETS:
         assert quick["rows"][key]["ratio_to_counterpart"] > 0
 
 
@@ -84,7 +84,7 @@ def test_plot_is_a_png(quick):
 
 
 def quick_psi(report: dict) -> int:
-    cfg = bench.BenchConfig(**{k: v for k, v in report["config"].items()
+    cfg = bench_config.BenchConfig(**{k: v for k, v in report["config"].items()
                                if k not in ("strategies", "atol")})
     return num_params(GPT(cfg.gpt_config()))
 
@@ -95,7 +95,7 @@ def test_collective_counter_agrees_with_record_comm(quick):
     One allowance: a backend may run a reduce-scatter as an all-reduce (gloo does), which the
     counter sees as such, at twice the reduce-scatter's ring figure.
     """
-    for key in bench.ZEROLAB_ENGINES:
+    for key in harness.ZEROLAB_ENGINES:
         row = quick["rows"][key]
         assert row["sent_bytes_source"] == "zerolab.record_comm"
         for counted, recorded, by_op in zip(row["c10d_bytes_per_rank"],
@@ -131,7 +131,7 @@ def test_torch_traffic_follows_the_known_algorithms(quick):
 
 def test_progress_bar_off_a_terminal_prints_every_tenth():
     stream = io.StringIO()
-    bar = bench.ProgressBar("x", stream=stream, width=10)
+    bar = progress.ProgressBar("x", stream=stream, width=10)
     for i in range(1, 21):
         bar(i, 20, f"item {i}")
     lines = stream.getvalue().splitlines()
@@ -142,8 +142,8 @@ def test_progress_bar_off_a_terminal_prints_every_tenth():
 
 def test_progress_relayed_through_a_file():
     stream = io.StringIO()
-    bar = bench.ProgressBar("relay", stream=stream, width=4)
-    with bench.follow_progress(bar, poll_s=0.01) as sink:
+    bar = progress.ProgressBar("relay", stream=stream, width=4)
+    with progress.follow_progress(bar, poll_s=0.01) as sink:
         sink.message("hello")
         sink(1, 1, "done")
     assert stream.getvalue().splitlines() == ["hello", "relay [####] 1/1 done"]
@@ -151,6 +151,6 @@ def test_progress_relayed_through_a_file():
 
 def test_config_is_checked():
     with pytest.raises(ValueError, match="unknown strategies"):
-        bench.BenchConfig(strategies=("ddp", "zero4")).check()
+        bench_config.BenchConfig(strategies=("ddp", "zero4")).check()
     with pytest.raises(ValueError, match="must divide"):
-        bench.BenchConfig(global_batch=3).check()
+        bench_config.BenchConfig(global_batch=3).check()

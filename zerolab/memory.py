@@ -86,6 +86,7 @@ class MemoryTrace:
     peak_by_category: dict[str, int] = field(default_factory=dict)  # the breakdown at that peak
     max_by_category: dict[str, int] = field(default_factory=dict)  # each category's own maximum
     device_peak_bytes: int | None = None  # CUDA: the allocator's max_memory_allocated
+    t0: float = 0.0  # perf_counter() when tracking started: sample times are relative to it
 
     def _add(self, t: float, by_category: dict[str, int]) -> None:
         self.samples.append((t, by_category))
@@ -107,7 +108,7 @@ class _Tracker(TorchDispatchMode):
         # id(storage) -> (weak reference, finalizer). Bytes are read at each sample, so that a
         # storage resized in place (how ZeRO-3 frees a gathered unit) is counted as it is now.
         self.live: dict[int, tuple[weakref.ref, weakref.finalize]] = {}
-        self.t0 = time.perf_counter()
+        self.t0 = trace.t0 = time.perf_counter()
 
     def watch(self, t: torch.Tensor) -> None:
         storage = t.untyped_storage()

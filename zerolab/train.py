@@ -31,14 +31,13 @@ import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import comm
-from zerolab.bench import ProgressBar, ProgressFile, follow_progress
-from zerolab.comm import save_chrome_trace, span
+from zerolab import comm, harness
+from zerolab.comm import save_chrome_trace
 from zerolab.data import Corpus
 from zerolab.models import GPT, GPTConfig, num_params
+from zerolab.progress import ProgressBar, ProgressFile, follow_progress
 
-ENGINES = {"ddp": zerolab.DDP, "zero1": zerolab.ZeRO1, "zero2": zerolab.ZeRO2,
-           "zero3": zerolab.ZeRO3}
+ENGINES = harness.ZEROLAB_ENGINES  # the strategies the command line offers
 
 
 @dataclass(frozen=True)
@@ -79,8 +78,8 @@ def train_worker(config: TrainConfig,
                              n_head=config.n_head, n_embd=config.n_embd, seed=config.seed)
     model = GPT(model_config).to(ctx.device)
     params = num_params(model)  # before the engine shards it: Ψ, every parameter once
-    engine = ENGINES[config.strategy](model, torch.optim.AdamW, lr=config.lr,
-                                      weight_decay=config.weight_decay)
+    engine = harness.make_engine(config.strategy, model, torch.optim.AdamW, lr=config.lr,
+                                 weight_decay=config.weight_decay)
     show = progress if ctx.rank == 0 else None
 
     def log(text: str) -> None:
@@ -99,13 +98,13 @@ def train_worker(config: TrainConfig,
             x, y = x.to(ctx.device), y.to(ctx.device)
             last = step == config.steps - 1
             if last:  # the memory tracker slows every op: only the last step pays for it
-                with zerolab.track_memory(engine.state_tensors) as memory:
-                    loss = train_step(model, engine, x, y)
-                state_bytes = engine.model_state_bytes()  # after step, before zero_grad
+                # (comm_log records this step too: every active recorder sees each collective)
+                measured = harness.measured_step(engine, x, y)
+                loss, memory, state_bytes = measured.loss, measured.memory, measured.held
             else:
-                loss = train_step(model, engine, x, y)
-            engine.zero_grad()
-            mean_loss = loss.detach().clone()
+                loss = harness.train_step(engine, x, y).item()
+                engine.zero_grad()
+            mean_loss = torch.tensor(loss, device=ctx.device)
             dist.all_reduce(mean_loss)  # not zerolab.comm: logging, not training traffic
             losses.append(mean_loss.item() / ctx.world_size)
             if show is not None:
@@ -132,25 +131,15 @@ def train_worker(config: TrainConfig,
             "ranks": summaries}
 
 
-def train_step(model: GPT, engine: zerolab.DDP, x: torch.Tensor,
-               y: torch.Tensor) -> torch.Tensor:
-    """Forward, backward and optimizer step, each marked as a span for the trace."""
-    with span("forward"):
-        loss = model.loss(engine(x), y)
-    with span("backward"):
-        loss.backward()
-    with span("step"):
-        engine.step()
-    return loss
-
-
 def global_batch_rows(corpus: Corpus, config: TrainConfig, step: int, rank: int,
                       world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of the step's global batch (identical on every rank before slicing)."""
-    x, y = corpus.batch(world_size * config.batch_size, config.block_size,
-                        seed=config.seed * 1_000_003 + step)
-    rows = slice(rank * config.batch_size, (rank + 1) * config.batch_size)
-    return x[rows], y[rows]
+    def make_batch(batch_size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return corpus.batch(batch_size, config.block_size, seed)
+
+    x, y = harness.local_batch(make_batch, world_size * config.batch_size,
+                               config.seed * 1_000_003 + step, rank, world_size)
+    return x, y
 
 
 def gather_to_rank0(obj: Any, rank: int, world_size: int) -> list[Any] | None:

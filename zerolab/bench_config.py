@@ -1,0 +1,81 @@
+"""What `python -m zerolab.bench` runs: the strategies, their torch counterparts, the targets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerolab.models import GPTConfig
+
+LABELS = {
+    "ddp": "zerolab DDP",
+    "zero1": "zerolab ZeRO-1",
+    "zero2": "zerolab ZeRO-2",
+    "zero3": "zerolab ZeRO-3",
+    "torch_ddp": "torch DDP",
+    "torch_ddp_zero": "torch DDP+ZeroRedundancyOpt",
+    "torch_fsdp2": "torch FSDP2 fully_shard",
+}
+SHORT_LABELS = {"ddp": "zerolab\nDDP", "zero1": "zerolab\nZeRO-1", "zero2": "zerolab\nZeRO-2",
+                "zero3": "zerolab\nZeRO-3", "torch_ddp": "torch\nDDP",
+                "torch_ddp_zero": "torch\nDDP+ZeRO", "torch_fsdp2": "torch\nFSDP2"}  # plots
+STRATEGIES = tuple(LABELS)
+REFERENCE = "torch_ddp"  # whose final parameters every strategy is compared with
+# Each zerolab engine against the torch strategy that does the same job, and the target
+# (largest acceptable ratio of median step times) this benchmark checks.
+COUNTERPARTS = {"ddp": "torch_ddp", "zero1": "torch_ddp_zero", "zero2": "torch_ddp",
+                "zero3": "torch_fsdp2"}
+TIME_TARGETS = {"ddp": 1.1, "zero1": 1.1, "zero2": 1.1, "zero3": 1.0}
+MEMORY_TARGETS = {"zero3": 1.0}  # peak bytes per rank vs the counterpart's
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to benchmark. The defaults are the full run (>= 10M parameters, world size 2)."""
+
+    world_size: int = 2  # ranks (spawned processes)
+    vocab_size: int = 8192  # GPT vocabulary (with tied embeddings: vocab * n_embd parameters)
+    block_size: int = 64  # tokens per sequence
+    n_layer: int = 6  # transformer blocks (ZeRO-3 / FSDP2 units)
+    n_head: int = 6  # attention heads
+    n_embd: int = 384  # hidden size
+    global_batch: int = 8  # sequences per step over all ranks (must divide by world_size)
+    warmup: int = 2  # rounds run first and not timed (allocations, DDP's bucket rebuild)
+    steps: int = 10  # timed rounds: one step of every strategy each
+    lr: float = 1e-3  # AdamW learning rate, the same for every strategy
+    weight_decay: float = 0.01  # AdamW weight decay
+    bucket_mb: float = 25.0  # gradient bucket size for zerolab DDP/ZeRO-1/2 and torch DDP (MiB)
+    strategies: tuple[str, ...] = STRATEGIES  # which to run (torch_ddp always: the reference)
+    measure: bool = True  # run the memory/traffic pass
+    tolerance: float = 0.05  # "matches": max |param - reference| <= tolerance * lr
+    seed: int = 0  # initial weights and batches
+    timeout: float = 1800.0  # seconds before the launch gives up on a stuck rank
+
+    @property
+    def atol(self) -> float:
+        """Largest |param - reference param| that still matches: a fraction of one step.
+
+        An AdamW step moves an element by about lr at most, so 0.05 * lr means no element is
+        off by more than 5% of one step. At world size 2 every strategy here is bitwise equal
+        to torch DDP (a sum of two numbers is exact in any order); at 3 or more ranks the
+        reduction order differs and Adam turns rounding into differences around 1e-3 * lr.
+        """
+        return self.tolerance * self.lr
+
+    def gpt_config(self) -> GPTConfig:
+        return GPTConfig(vocab_size=self.vocab_size, block_size=self.block_size,
+                         n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                         seed=self.seed)
+
+    def check(self) -> None:
+        unknown = set(self.strategies) - set(STRATEGIES)
+        if unknown:
+            raise ValueError(f"unknown strategies {sorted(unknown)}; choose from {STRATEGIES}")
+        if self.global_batch % self.world_size:
+            raise ValueError(f"global_batch={self.global_batch} must divide by "
+                             f"world_size={self.world_size}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError("need steps >= 1 and warmup >= 0")
+
+
+QUICK = {"vocab_size": 64, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32,
+         "global_batch": 4, "warmup": 1, "steps": 2, "bucket_mb": 0.002}  # --quick: CI

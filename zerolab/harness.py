@@ -1,0 +1,170 @@
+"""One training step, and one *measured* training step: what lessons, CLI, bench and tests run.
+
+    engine = harness.make_engine("zero2", model, lr=1e-3)
+    x, y = harness.local_batch(model.make_batch, global_batch=8, seed=step, rank=r, world_size=n)
+    m = harness.measured_step(engine, x, y)     # forward, backward, step: measured
+    m.loss, m.held, m.memory.peak_bytes, m.log.events, m.log.total_wire_bytes()
+
+A measured step is an ordinary step inside two recorders: `record_comm` (every collective,
+with its bytes and times, and a span for forward, backward and step) and `track_memory`
+(every live tensor by category, over time). Model-state bytes are read after `step()` and
+before `zero_grad()`, when a rank holds the most state. Nothing else in zerolab writes a
+training step: a figure in a notebook, in `python -m zerolab.bench` and in the tests comes
+from this file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerolab import comm
+from zerolab.comm import CommLog, Span
+from zerolab.ddp import DDP
+from zerolab.memory import MemoryTrace, track_memory
+from zerolab.zero1 import ZeRO1, ZeRO1Naive
+from zerolab.zero2 import ZeRO2, ZeRO2Naive
+from zerolab.zero3 import ZeRO3
+
+# name -> (label, engine class, or "module:Class" for torch's engines, imported on demand)
+ENGINES: dict[str, tuple[str, Any]] = {
+    "ddp": ("DDP", DDP),
+    "zero1": ("ZeRO-1", ZeRO1),
+    "zero1naive": ("ZeRO-1 naive", ZeRO1Naive),
+    "zero2": ("ZeRO-2", ZeRO2),
+    "zero2naive": ("ZeRO-2 naive", ZeRO2Naive),
+    "zero3": ("ZeRO-3", ZeRO3),
+    "torch_ddp": ("torch DDP", "zerolab.baselines:TorchDDP"),
+    "torch_ddp_zero": ("torch DDP + ZeroRedundancyOptimizer", "zerolab.baselines:TorchZeRO"),
+    "torch_fsdp2": ("torch FSDP2 (fully_shard)", "zerolab.baselines:TorchFSDP2"),
+}
+ZEROLAB_ENGINES = ("ddp", "zero1", "zero2", "zero3")  # the four stages the course builds
+
+
+def engine_class(name: str) -> type:
+    """The engine class registered as `name` ("zero2", "torch_fsdp2", ...)."""
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose from {list(ENGINES)}")
+    cls = ENGINES[name][1]
+    if isinstance(cls, str):  # torch's engines: imported only when asked for
+        module, _, attr = cls.partition(":")
+        cls = getattr(__import__(module, fromlist=[attr]), attr)
+    return cls
+
+
+def label(name: str) -> str:
+    """How the course names an engine: "ZeRO-2", "torch FSDP2 (fully_shard)"."""
+    return ENGINES[name][0]
+
+
+def make_engine(name: str, model: nn.Module,
+                optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                **kwargs: Any) -> Any:
+    """Wrap `model` in the engine called `name`; kwargs go to the engine and the optimizer."""
+    return engine_class(name)(model, optimizer_cls, **kwargs)
+
+
+def local_batch(make_batch: Callable[..., tuple[torch.Tensor, ...]], global_batch: int, seed: int,
+                rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
+    """This rank's rows of one global batch, drawn the same on every rank from `seed`.
+
+    make_batch(batch_size, seed=...) -> tensors with the batch first (a model's make_batch).
+    Rank r takes rows [r * per_rank, (r + 1) * per_rank): the ranks together see the whole
+    global batch once, as a single process training on it would.
+    """
+    if global_batch % world_size:
+        raise ValueError(f"a global batch of {global_batch} does not split over {world_size} "
+                         f"ranks: choose a multiple of the world size")
+    per_rank = global_batch // world_size
+    rows = slice(rank * per_rank, (rank + 1) * per_rank)
+    return tuple(t[rows] for t in make_batch(global_batch, seed=seed))
+
+
+def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
+               loss_fn: Callable[..., torch.Tensor] | None = None, *,
+               forward_span: bool = True) -> torch.Tensor:
+    """Forward, backward, optimizer step, each marked as a span for the recorders.
+
+    loss_fn(output, y): default, the model's own `loss`. Returns the (detached) loss; the
+    gradients are kept (call engine.zero_grad() next).
+    """
+    loss_fn = loss_fn or engine.module.loss
+    with comm.span("forward") if forward_span else contextlib.nullcontext():
+        loss = loss_fn(engine(x), y)
+    with comm.span("backward"):
+        loss.backward()
+    with comm.span("step"):
+        engine.step()
+    return loss.detach()
+
+
+@dataclass
+class MeasuredStep:
+    """What one training step did on one rank, measured."""
+
+    loss: float  # this rank's loss on its own rows
+    log: CommLog  # every collective (bytes, times) and the forward / backward / step spans
+    memory: MemoryTrace | None  # live bytes by category over the step (None: not tracked)
+    held: dict[str, int]  # model-state bytes after step(), before zero_grad()
+
+    def phases(self) -> list[Span]:
+        """The log's spans on the memory trace's clock (seconds from its first sample)."""
+        if self.memory is None:
+            return list(self.log.spans)
+        shift = self.log.t0 - self.memory.t0 - self.memory.samples[0][0]
+        return [Span(s.name, s.start + shift, s.end + shift) for s in self.log.spans]
+
+
+def measured_step(engine: Any, x: torch.Tensor, y: torch.Tensor, *, memory: bool = True,
+                  zero_grad: bool = True, forward_spans: Sequence[nn.Module] = (),
+                  loss_fn: Callable[..., torch.Tensor] | None = None) -> MeasuredStep:
+    """One training step under the comm recorder and (memory=True) the memory tracker.
+
+    Every rank of the engine's group must call it (the recorder starts at a barrier, so that
+    the ranks' clocks line up). forward_spans: modules whose forward each becomes a span of
+    its own (the blocks, to see a gather wait for its block) instead of one "forward" span.
+    The memory tracker inspects every op: keep it off where the timing matters.
+    """
+    group = getattr(engine, "group", None)
+    tracker = track_memory(engine.state_tensors) if memory else contextlib.nullcontext()
+    with comm.record_comm(group) as log, tracker as trace:
+        hooks = _span_hooks(forward_spans, log)
+        try:  # with per-module spans, those stand for the forward
+            loss = train_step(engine, x, y, loss_fn, forward_span=not forward_spans)
+        finally:
+            for h in hooks:
+                h.remove()
+    held = engine.model_state_bytes()
+    if zero_grad:
+        engine.zero_grad()
+    return MeasuredStep(loss.item(), log, trace, held)
+
+
+def _span_hooks(modules: Sequence[nn.Module], log: CommLog) -> list[Any]:
+    """Forward hooks that add a "forward" span to `log` for each module's own compute.
+
+    Registered after the engine's hooks, so they run after ZeRO-3 has gathered the module
+    (pre-hooks run in registration order) and after it has freed it (post-hooks too).
+    """
+    starts: dict[nn.Module, float] = {}
+
+    def before(module: nn.Module, args: Any) -> None:
+        starts[module] = log.now()
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        log.spans.append(Span("forward", starts.pop(module), log.now()))
+
+    return [h for m in modules
+            for h in (m.register_forward_pre_hook(before), m.register_forward_hook(after))]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The distance every comparison uses: the largest |a - b| over two state dicts' tensors."""
+    if sorted(a) != sorted(b):
+        raise ValueError(f"the state dicts differ in keys: {sorted(set(a) ^ set(b))}")
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
