@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from zerolab import grading
+from zerolab.grading import check, runner
 
 REPO = Path(__file__).resolve().parent.parent
 WRONG = REPO / "tests" / "grading_wrong"
@@ -112,7 +113,7 @@ def test_stubs_keep_docstrings_and_raise_the_exercise():
         assert call.func.id == "NotImplementedError"
         assert call.args[0].value == task.replace('"', "'")
     # The stubs import (a learner runs them) and raise what the grader calls "not attempted".
-    module = grading._load_module(REPO / "exercises" / "ex07_scaling.py")
+    module = check._load_module(REPO / "exercises" / "ex07_scaling.py")
     with pytest.raises(NotImplementedError, match=r"^Exercise 7\.1: "):
         module.largest_model(80e9, 8, "ZeRO-3")
 
@@ -235,7 +236,7 @@ def test_comm_bugs_crash_on_one_rank_and_exit_status():
                  "ring_exchange(chunks[send_index], chunks[recv_index]",  # the line that raised
                  "output 'grad_shard'"]:
         assert text in out, out
-    for text in ["zerolab/grading.py", "zerolab/launch.py", "multiprocessing"]:  # internals
+    for text in ["zerolab/grading/", "zerolab/launch.py", "multiprocessing"]:  # internals
         assert text not in out, out
 
 
@@ -258,9 +259,9 @@ def test_a_hang_is_stopped_at_the_timeout(record_property):
 def test_launch_timeout_is_reported_as_a_hang():
     """When the launch itself times out (no watchdog could fire), the running exercise hung."""
     ex = grading.EXERCISES["2.1"]
-    result = grading._verdict(ex, 3, [], "timeout: ranks [0, 1, 2] were still running", 5.0)
+    result = runner._verdict(ex, 3, [], "timeout: ranks [0, 1, 2] were still running", 5.0)
     assert result.status == "wrong" and result.timed_out
-    crash = grading._verdict(ex, 3, [], "rank 1 exited with code -9", 5.0)
+    crash = runner._verdict(ex, 3, [], "rank 1 exited with code -9", 5.0)
     assert crash.status == "wrong" and "rank 1 exited" in crash.message
 
 
@@ -276,14 +277,14 @@ def test_a_launch_that_never_started_is_retried_not_blamed(monkeypatch):
         return {ex.id: [{"id": ex.id, "rank": r, "final": True} for r in range(n)]
                 for ex in todo}, None
 
-    monkeypatch.setattr(grading, "_launch_batch", fake_launch)
+    monkeypatch.setattr(runner, "_launch_batch", fake_launch)
     exercises = [grading.EXERCISES["2.1"], grading.EXERCISES["2.2"]]
-    assert grading._grade_distributed(exercises, {}, (2,), 5.0) == {}  # both passed
+    assert runner._grade_distributed(exercises, {}, (2,), 5.0) == {}  # both passed
     assert calls == [["2.1", "2.2"], ["2.1", "2.2"]]
 
-    monkeypatch.setattr(grading, "_launch_batch", lambda *args: ({}, "rank 0 exited"))
+    monkeypatch.setattr(runner, "_launch_batch", lambda *args: ({}, "rank 0 exited"))
     with pytest.raises(RuntimeError, match="could not run 2 ranks"):
-        grading._grade_distributed(exercises, {}, (2,), 5.0)
+        runner._grade_distributed(exercises, {}, (2,), 5.0)
 
 
 # ---- names, paths, notebooks --------------------------------------------------------------------

@@ -1,0 +1,84 @@
+"""Comparing the learner's outputs with the solution's, and saying how they differ: which
+item, expected against got, shape and max error."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)} ({x.dtype})"
+    if isinstance(x, (list, tuple, dict)):
+        return f"a {type(x).__name__} of {len(x)}"
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) < 40 else text[:37] + '...'}"
+
+
+def _fmt_values(t: torch.Tensor) -> str:
+    def fmt(v: Any) -> str:
+        return "[" + ", ".join(fmt(u) for u in v) + "]" if isinstance(v, list) else f"{v:.4g}"
+    return fmt(t.detach().double().tolist())
+
+
+def _compare(expected: Any, got: Any) -> str | None:
+    """Why `got` differs from `expected` (named from the top), or None when it matches."""
+    if isinstance(expected, torch.Tensor):
+        return _compare_tensors(expected, got)
+    if isinstance(expected, dict):
+        if not isinstance(got, dict):
+            return f"expected a dict, got {_describe(got)}"
+        if set(got) != set(expected):
+            return f"expected keys {sorted(expected)}, got {sorted(got)}"
+        for key in expected:
+            if (why := _compare(expected[key], got[key])) is not None:
+                return f"[{key!r}]: {why}"
+        return None
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)):
+            return f"expected a list of {len(expected)}, got {_describe(got)}"
+        if all(isinstance(v, (str, bool, int, float)) for v in [*expected, *got]):
+            # Short lists of plain values (comm ops, freed flags): show them whole.
+            same = len(got) == len(expected) and all(
+                _compare(e, g) is None for e, g in zip(expected, got))
+            return None if same else f"expected {list(expected)}, got {list(got)}"
+        if len(got) != len(expected):
+            return f"expected {len(expected)} items, got {len(got)}"
+        for i, (e, g) in enumerate(zip(expected, got)):
+            if (why := _compare(e, g)) is not None:
+                return f"[{i}]: {why}"
+        return None
+    if isinstance(expected, numbers.Real) and not isinstance(expected, bool):
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
+            got = got.item()
+        if not isinstance(got, numbers.Real) or isinstance(got, bool):
+            return f"expected a number, {expected:.6g}, got {_describe(got)}"
+        if not math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-12):
+            return f"expected {expected:.6g}, got {got:.6g}"
+        return None
+    return None if got == expected else f"expected {expected!r}, got {got!r}"
+
+
+def _compare_tensors(expected: torch.Tensor, got: Any) -> str | None:
+    if not isinstance(got, torch.Tensor):
+        return f"expected {_describe(expected)}, got {_describe(got)}"
+    if got.shape != expected.shape:
+        return f"expected shape {tuple(expected.shape)}, got shape {tuple(got.shape)}"
+    if got.dtype != expected.dtype:
+        return f"expected dtype {expected.dtype}, got {got.dtype}"
+    e, g = expected.detach().double(), got.detach().double()
+    if torch.allclose(g, e, rtol=1e-5, atol=1e-6, equal_nan=True):
+        return None
+    error = (g - e).abs().nan_to_num(nan=math.inf)
+    if e.numel() <= 12:
+        values = f"expected {_fmt_values(e)}, got {_fmt_values(g)}"
+    else:
+        worst = int(error.argmax())
+        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), e.shape))
+        values = (f"at index {where}: expected {e.reshape(-1)[worst]:.4g}, "
+                  f"got {g.reshape(-1)[worst]:.4g}")
+    return f"shape {tuple(e.shape)} as expected, max error {error.max():.3g}; {values}"

@@ -1,0 +1,47 @@
+"""Inputs the exercises' cases share: seeded tensors, the same in every process, and the
+groups of shapes that catch uneven and tiny shards."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from zerolab.sharding import FlatLayout, flatten, shard
+
+STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+# Groups of tensor shapes: uneven (numel 10: padded on 3 and 4 ranks; 11: on 2, 3 and 4) and
+# tiny (numel 1: fewer elements than ranks, so some shards are all padding).
+SHAPE_GROUPS = {
+    "numels 6, 3, 1": [(6,), (3,), (1,)],
+    "shapes (2, 3), (5,)": [(2, 3), (5,)],
+    "one element": [(1,)],
+}
+
+
+def _gen(*key: Any) -> torch.Generator:
+    """A generator seeded from `key`, the same in every process (unlike hash())."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _ints(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """Small integers as floats: sums are exact in any order, so rings and trees agree."""
+    return torch.randint(-9, 10, shape, generator=gen).float()
+
+
+def _fixed(*args: Any) -> Callable[[int], tuple]:
+    return lambda rank: args
+
+
+def _tensors(key: Any, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    gen = _gen(*key)
+    return [torch.randn(s, generator=gen) for s in shapes]
+
+
+def _shards(tensors: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+    layout = FlatLayout.of(tensors, n)
+    flat = flatten(tensors, layout)
+    return [shard(flat, layout, r).clone() for r in range(n)]

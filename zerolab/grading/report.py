@@ -1,0 +1,131 @@
+"""The verdicts: one Result per exercise (passed / not attempted / wrong / error, with where,
+what, the learner's own traceback lines and a hint), and the Report `grade` returns.
+
+A record is what checking a case produced ({"status": ..., "label": ..., ...}, as written by
+a rank); `_result_from` turns it into a Result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zerolab.grading.defaults import DEFAULT_WORLD_SIZES
+from zerolab.grading.exercise import Exercise
+
+
+@dataclass
+class Result:
+    """One exercise's verdict."""
+
+    exercise: Exercise
+    status: str  # "passed", "not attempted", "wrong", or "error" (the grader's own fault)
+    world_size: int | None = None  # distributed: on how many ranks it went wrong
+    rank: int | None = None  # which rank
+    case: str | None = None  # which input
+    output: str | None = None  # which output differed ("result", "grad_shard", "comm ops", ...)
+    message: str = ""  # what differed: expected against got; or the exception
+    traceback: str = ""  # the learner's own lines of the traceback, when it raised
+    hint: str = ""
+    timed_out: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.exercise.id
+
+    def lines(self) -> list[str]:
+        ex = self.exercise
+        status = self.status.upper() if self.status in ("wrong", "error") else self.status
+        head = f"  {ex.id:<4} {ex.module + '.' + ex.function:<38} {status}"
+        if self.status == "not attempted" and self.message:
+            head += f" ({self.message})"
+        if self.status not in ("wrong", "error"):
+            return [head]
+        where = []
+        if self.world_size is not None:
+            where.append(f"on {self.world_size} rank{'s' if self.world_size > 1 else ''}")
+        if self.rank is not None and self.world_size is not None:
+            where.append(f"rank {self.rank}")
+        if self.case:
+            where.append(f"case '{self.case}'")
+        out = [head]
+        if where:
+            out.append("       " + ", ".join(where))
+        if self.output:
+            out.append(f"       output '{self.output}': {self.message}")
+        elif self.message:
+            out.append(f"       {self.message}")
+        out += ["         " + line for line in self.traceback.rstrip().splitlines()]
+        if self.hint:
+            out.append(f"       hint: {self.hint}")
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def _result_from(ex: Exercise, record: dict, timeout: float) -> Result:
+    status = record["status"]
+    common = {"world_size": record.get("world_size"), "case": record.get("label")}
+    if record.get("world_size") is not None and "rank" in record:
+        common["rank"] = record["rank"]
+    if status == "stub":
+        return Result(ex, "not attempted")
+    if status == "timeout":
+        if not ex.distributed:
+            why = "an endless loop?"
+        else:
+            stuck = record.get("stuck")
+            why = (f"rank(s) {stuck} never finished: " if stuck else "") + \
+                "a rank waiting for a message no other rank sends (or an endless loop)?"
+        return Result(ex, "wrong", **{**common, "rank": None}, timed_out=True, hint=ex.hint,
+                      message=f"timed out after {timeout:g} s: {why}")
+    if status == "raised":
+        return Result(ex, "wrong", **common, message=f"raised {record['message']}",
+                      traceback=record.get("traceback", ""), hint=ex.hint)
+    if status == "error":
+        return Result(ex, "error", **common, message=record["message"],
+                      traceback=record.get("traceback", ""))
+    return Result(ex, "wrong", **common, output=record.get("output"),
+                  message=record.get("message", ""), hint=ex.hint)
+
+
+@dataclass
+class Report:
+    """What `grade` returns: one Result per exercise; prints (and displays) as a table."""
+
+    results: list[Result]
+    path: Path
+    world_sizes: tuple[int, ...] = DEFAULT_WORLD_SIZES
+    counts: dict[str, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.counts = {s: sum(r.status == s for r in self.results)
+                       for s in ("passed", "wrong", "not attempted", "error")}
+
+    @property
+    def ok(self) -> bool:
+        """No exercise wrong (not attempted ones are fine)."""
+        return self.counts["wrong"] == 0 and self.counts["error"] == 0
+
+    def __getitem__(self, exercise_id: str) -> Result:
+        return next(r for r in self.results if r.id == exercise_id)
+
+    def __str__(self) -> str:
+        sizes = ", ".join(map(str, self.world_sizes))
+        lines = [f"Grading {_shown(self.path)}/ (distributed exercises on {sizes} ranks)"]
+        for r in self.results:
+            lines += r.lines()
+        summary = ", ".join(f"{v} {k}" for k, v in self.counts.items() if v or k != "error")
+        lines.append(f"{len(self.results)} exercises: {summary}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def _shown(path: Path) -> str:
+    """`path` relative to the working directory when it is below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
