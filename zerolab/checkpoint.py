@@ -63,8 +63,9 @@ def pieces(engine) -> list[Piece]:
         # The layout keeps the shapes: ZeRO-3's parameters are empty at rest.
         shapes = [tuple(p.shape) for p in slot.params] if slot.layout is None else [
             tuple(s) for s in slot.layout.shapes]
-        out.append(Piece([names[p] for p in slot.params], shapes, start, {"param": master.detach().float().reshape(-1).clone(), **tensors},
-                         scalars))
+        param = master.detach().float().reshape(-1).clone()
+        out.append(Piece([names[p] for p in slot.params], shapes, start,
+                         {"param": param, **tensors}, scalars))
     return out
 
 
