@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import checkpoint
+from zerolab import checkpoint, harness
 
 MICRO = 4  # micro-batches per step
 ACC_STEPS = 3
@@ -31,9 +31,8 @@ def _micro_batches(model, step: int, rank: int, world_size: int):
     """MICRO micro-batches of GLOBAL_BATCH each: together a global batch MICRO times larger."""
     x, y = model.make_batch(MICRO * W.GLOBAL_BATCH, seed=200 + step)
     for m in range(MICRO):
-        xs = x[m * W.GLOBAL_BATCH:(m + 1) * W.GLOBAL_BATCH]
-        ys = y[m * W.GLOBAL_BATCH:(m + 1) * W.GLOBAL_BATCH]
-        yield W.local_slice(xs, rank, world_size), W.local_slice(ys, rank, world_size)
+        rows = slice(m * W.GLOBAL_BATCH, (m + 1) * W.GLOBAL_BATCH)  # micro-batch m
+        yield harness.local_rows((x[rows], y[rows]), rank, world_size)
 
 
 # ---- gradient accumulation ---------------------------------------------------------------------
@@ -158,10 +157,9 @@ def fp32_losses(kind: str) -> list[float]:
 def train_steps(engine, model, steps: range) -> None:
     rank, world_size = _rank()
     for step in steps:
-        x, y = model.make_batch(W.GLOBAL_BATCH, seed=100 + step)
-        x, y = W.local_slice(x, rank, world_size), W.local_slice(y, rank, world_size)
-        model.loss(engine(x), y).backward()
-        engine.step()
+        x, y = harness.local_batch(model.make_batch, W.GLOBAL_BATCH, 100 + step, rank,
+                                   world_size)
+        harness.train_step(engine, x, y)
         engine.zero_grad()
 
 

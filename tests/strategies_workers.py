@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import models
-from zerolab.comm import span
+from zerolab import harness, models
 
-STRATEGIES = {"ddp": zerolab.DDP, "zero1": zerolab.ZeRO1, "zero1naive": zerolab.ZeRO1Naive,
-              "zero2": zerolab.ZeRO2, "zero2naive": zerolab.ZeRO2Naive, "zero3": zerolab.ZeRO3}
+# The strategies under test, by the harness's names (harness.engine_class(name) builds each).
+STRATEGIES = {name: harness.engine_class(name) for name in
+              ("ddp", "zero1", "zero1naive", "zero2", "zero2naive", "zero3")}
 STEPS = 5
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4
 LR = 1e-2
@@ -40,15 +40,9 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
 
 
-def local_slice(x: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    per_rank = x.shape[0] // world_size
-    return x[rank * per_rank:(rank + 1) * per_rank]
-
-
 def batches(model, rank: int, world_size: int):
     for step in range(STEPS):
-        x, y = model.make_batch(GLOBAL_BATCH, seed=100 + step)
-        yield local_slice(x, rank, world_size), local_slice(y, rank, world_size)
+        yield harness.local_batch(model.make_batch, GLOBAL_BATCH, 100 + step, rank, world_size)
 
 
 def reference_run(kind: str) -> dict[str, torch.Tensor]:
@@ -138,20 +132,11 @@ def peak_memory(kind: str, strategy: str, kwargs: dict) -> dict:
     full_param_bytes = sum(p.numel() * 4 for p in model.parameters())
     trainable_bytes = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
     engine = STRATEGIES[strategy](model, torch.optim.AdamW, lr=LR, **kwargs)
-    traces = []
-    for x, y in batches(model, rank, world_size):
-        with zerolab.track_memory(engine.state_tensors) as trace, zerolab.record_comm() as log:
-            with span("forward"):
-                loss = model.loss(engine(x), y)
-            with span("backward"):
-                loss.backward()
-            with span("step"):
-                engine.step()
-        engine.zero_grad()
-        traces.append((trace, log))
-        if len(traces) == 2:
-            break
-    trace, log = traces[1]
+    steps = batches(model, rank, world_size)
+    harness.train_step(engine, *next(steps))  # the first step creates Adam's state
+    engine.zero_grad()
+    measured = harness.measured_step(engine, *next(steps))  # the second is measured
+    trace, log = measured.memory, measured.log
     out = {"max": trace.max_by_category, "peak": trace.peak_bytes, "log": log,
            "full_param_bytes": full_param_bytes, "trainable_bytes": trainable_bytes,
            "bucket_bytes": [4 * b.layout.padded_numel for b in engine.buckets],

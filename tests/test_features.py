@@ -11,14 +11,12 @@ import torch
 
 import zerolab
 from zerolab import checkpoint
+from zerolab.harness import max_diff
 
 STAGES = ["ddp", "zero1", "zero2", "zero3"]
 KIND = "gpt"  # tied weights; the MLP (frozen, tiny, reused) is covered by test_strategies
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 # ---- gradient accumulation ---------------------------------------------------------------------

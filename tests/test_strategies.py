@@ -13,15 +13,13 @@ import strategies_workers as W
 import torch
 
 import zerolab
+from zerolab.harness import max_diff
 
 ALL = list(W.STRATEGIES)
 KINDS = ["gpt", "mlp", "mlp_reuse"]
 YARDSTICK_MULTIPLE = W.YARDSTICK_MULTIPLE
 
 
-def max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
 @pytest.fixture(scope="module")

@@ -74,15 +74,23 @@ def local_batch(make_batch: Callable[..., tuple[torch.Tensor, ...]], global_batc
     """This rank's rows of one global batch, drawn the same on every rank from `seed`.
 
     make_batch(batch_size, seed=...) -> tensors with the batch first (a model's make_batch).
-    Rank r takes rows [r * per_rank, (r + 1) * per_rank): the ranks together see the whole
-    global batch once, as a single process training on it would.
     """
+    return local_rows(make_batch(global_batch, seed=seed), rank, world_size)
+
+
+def local_rows(batch: Sequence[torch.Tensor], rank: int,
+               world_size: int) -> tuple[torch.Tensor, ...]:
+    """Rank r's rows [r * per_rank, (r + 1) * per_rank) of each tensor of a global batch.
+
+    The ranks together see the whole global batch once, as one process training on it would.
+    """
+    global_batch = len(batch[0])
     if global_batch % world_size:
         raise ValueError(f"a global batch of {global_batch} does not split over {world_size} "
                          f"ranks: choose a multiple of the world size")
     per_rank = global_batch // world_size
     rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    return tuple(t[rows] for t in make_batch(global_batch, seed=seed))
+    return tuple(t[rows] for t in batch)
 
 
 def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
