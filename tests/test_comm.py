@@ -1,22 +1,27 @@
 """zerolab.comm: results of every collective, the recorder's byte counts, timing and traces.
 
-Byte counts are checked against integers computed by hand from the ring formulas, for tensors of
-12 elements (12 divides by every world size 1-4), S = 48 bytes in fp32:
+Ring-model byte counts are checked against integers computed by hand from the ring formulas, for
+tensors of 12 elements (12 divides by every world size 1-4), S = 48 bytes in fp32:
   all-reduce     2(N-1)/N * S : N=2 -> 48, N=3 -> 64, N=4 -> 72
   reduce-scatter  (N-1)/N * S : N=2 -> 24, N=3 -> 32, N=4 -> 36   (all-gather the same)
+
+Measured (wire) bytes are checked on S = 1.5 MiB, against the same formulas and against what the
+kernel counted from outside the recorder (tests/comm_workers.py).
 """
 
 import json
 
+import comm_workers
 import pytest
 import torch
-import workers
 
 import zerolab
-from zerolab import comm
+from zerolab import backends, comm, wire
 
 WORLD_SIZES = (1, 2, 3, 4)
 DELAY = 0.3  # rank 0 arrives this late at record_comm, and again at the "align" all-reduce
+NUMEL = 12 << 15  # the wire tests' tensors: S = 4 * NUMEL = 1.5 MiB, divisible by 1-4 ranks
+S = 4 * NUMEL
 
 # tag -> (op, S in bytes per world size, sent bytes per world size), by hand.
 SENT = {
@@ -58,7 +63,7 @@ TOTAL = {
 def suite(request):
     """One launch per world size runs every collective; the tests below read its results."""
     n = request.param
-    results = zerolab.launch(workers.comm_suite, n, args=(DELAY if n > 1 else 0.0,))
+    results = zerolab.launch(comm_workers.suite, n, args=(DELAY if n > 1 else 0.0, NUMEL))
     return n, results
 
 
@@ -128,19 +133,20 @@ def test_recorded_bytes_are_the_ring_figures(suite):
         assert len(log.events) == len(expected_tags)  # one event per call
         for tag, (op, nbytes, sent) in SENT.items():
             e = events[tag]
-            assert (e.op, e.nbytes, e.sent_bytes) == (op, nbytes[n], sent[n]), tag
+            assert (e.op, e.nbytes, e.ring_bytes) == (op, nbytes[n], sent[n]), tag
+            assert e.sent_bytes == e.ring_bytes  # the old name still reads
         bc = events["bc"]
         assert (bc.op, bc.nbytes) == ("broadcast", 48)
-        assert bc.sent_bytes == (0 if n == 1 or rank == BROADCAST_SILENT_RANK[n] else 48)
+        assert bc.ring_bytes == (0 if n == 1 or rank == BROADCAST_SILENT_RANK[n] else 48)
         if n > 1:
-            assert (events["p2p/send"].op, events["p2p/send"].sent_bytes) == ("send", 48)
-            assert (events["p2p/recv"].op, events["p2p/recv"].sent_bytes) == ("recv", 0)
+            assert (events["p2p/send"].op, events["p2p/send"].ring_bytes) == ("send", 48)
+            assert (events["p2p/recv"].op, events["p2p/recv"].ring_bytes) == ("recv", 0)
             assert events["p2p/recv"].nbytes == 48
-        assert log.total_bytes() == TOTAL[(n, rank)]
+        assert log.total_ring_bytes() == log.total_bytes() == TOTAL[(n, rank)]
         # ar/sum, ar/avg, ar/max (fp32) and ar/fp16: 3*48+24, 3*64+32, 3*72+36
-        assert log.total_bytes("ar/") == {1: 0, 2: 168, 3: 224, 4: 252}[n]
+        assert log.total_ring_bytes("ar/") == {1: 0, 2: 168, 3: 224, 4: 252}[n]
         by_op = log.bytes_by_op()
-        assert sum(by_op.values()) == log.total_bytes()
+        assert sum(by_op.values()) == log.total_ring_bytes()
         assert by_op["reduce_scatter"] == {1: 0, 2: 56, 3: 80, 4: 96}[n]  # 2 x 12 + seeds
 
 
@@ -203,13 +209,130 @@ def test_chrome_trace_of_all_ranks(suite, tmp_path):
             assert te["ts"] == pytest.approx(e.start * 1e6)  # microseconds
             assert te["dur"] == pytest.approx((e.end - e.start) * 1e6)
             args = te["args"]
-            assert (args["op"], args["nbytes"], args["sent_bytes"]) == (e.op, e.nbytes,
-                                                                        e.sent_bytes)
+            assert (args["op"], args["nbytes"], args["ring_bytes"], args["wire_bytes"],
+                    args["impl"], args["group_ranks"]) == (e.op, e.nbytes, e.ring_bytes,
+                                                           e.wire_bytes, e.impl,
+                                                           list(e.group_ranks))
         spans = [e for e in events if e["pid"] == log.rank and e.get("cat") == "compute"]
         assert [s["name"] for s in spans] == ["compute"]
     one = logs[-1].chrome_trace_events()  # a single rank
     assert {e["pid"] for e in one} == {n - 1}
     assert len(one) == len(logs[-1].events) + len(logs[-1].spans)
+
+
+# --- measured bytes (wire), S = 1.5 MiB --------------------------------------------------------
+
+
+def near(measured: int, expected: float, rel: float) -> bool:
+    return abs(measured - expected) <= rel * expected
+
+
+def wire_results(suite):
+    n, results = suite
+    if n == 1:
+        pytest.skip("nothing goes on the wire with one rank")
+    return n, [r["wire"] for r in results]
+
+
+def test_every_event_says_what_ran_in_which_group_and_what_it_wrote(suite):
+    n, results = suite
+    impl = {"all_reduce": "all_reduce (gloo)", "broadcast": "broadcast (gloo)",
+            "reduce_scatter": "reduce_scatter as all_reduce (gloo)",
+            "all_gather": f"all_gather as {n} broadcast{'s' if n > 1 else ''} (gloo)",
+            "send": "send (gloo)", "recv": "recv (gloo)"}
+    for r in results:
+        log = r["log"]
+        for e in log.events:
+            assert e.impl == impl[e.op], e
+            assert e.group_ranks == tuple(range(n))
+            assert isinstance(e.wire_bytes, int) and e.wire_bytes >= 0, e
+        assert log.total_wire_bytes() == sum(e.wire_bytes for e in log.events)
+        assert log.total_wire_bytes(group=tuple(range(n))) == log.total_wire_bytes()
+        assert log.total_wire_bytes(group=(n,)) == 0  # a group nothing ran in
+        by_op = log.wire_bytes_by_op()
+        assert sorted(by_op) == sorted(log.bytes_by_op())
+        assert sum(by_op.values()) == log.total_wire_bytes()
+        if n == 1:
+            assert log.total_wire_bytes() == 0  # one rank writes nothing
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
+def test_measured_bytes_match_the_ring_formula(suite, op):
+    n, ranks = wire_results(suite)
+    for w in ranks:
+        e, outer = w["ops"][op]["event"], w["ops"][op]["outer"]
+        assert e.ring_bytes == round({"all_reduce": 2, "all_gather": 1}[op] * (n - 1) / n * S)
+        assert near(e.wire_bytes, e.ring_bytes, 0.02), (e.wire_bytes, e.ring_bytes)
+        # alone and synchronous: the event's window is what was counted around the call (but
+        # for a gloo control message or two landing on either side of its boundaries)
+        assert e.wire_exact and abs(e.wire_bytes - outer) <= 1e-3 * S
+
+
+def test_gloo_reduce_scatter_sends_an_all_reduce(suite):
+    """zerolab runs it as an all-reduce: twice the ring figure, as much as torch's own sends."""
+    n, ranks = wire_results(suite)
+    for w in ranks:
+        rs, ar = w["ops"]["reduce_scatter"]["event"], w["ops"]["all_reduce"]["event"]
+        assert rs.impl == "reduce_scatter as all_reduce (gloo)"
+        assert near(rs.wire_bytes, ar.wire_bytes, 0.02)
+        assert near(rs.wire_bytes, 2 * rs.ring_bytes, 0.02)
+        assert near(w["native"]["reduce_scatter"], rs.wire_bytes, 0.02)  # torch's gloo rs
+
+
+def test_all_gather_as_broadcasts_sends_the_ring_figure_like_torchs_own(suite):
+    """N binomial trees, one rooted at each rank: every rank takes each tree position once."""
+    n, ranks = wire_results(suite)
+    for w in ranks:
+        ag = w["ops"]["all_gather"]["event"]
+        assert ag.impl == f"all_gather as {n} broadcasts (gloo)"
+        assert near(w["native"]["all_gather"], ag.wire_bytes, 0.02)  # torch's gloo all-gather
+
+
+# gloo's broadcast is a binomial tree, not the ring model's pipeline. By position in the tree,
+# q = (rank - src) mod N, each sender sends S to each of its children: N=2: 0 -> 1; N=3: 0 -> 1
+# and 2; N=4: 0 -> 1 and 2, then 1 -> 3. Bytes sent by position, in units of S (measured):
+TREE = {2: [1, 0], 3: [2, 0, 0], 4: [2, 1, 0, 0]}
+
+
+@pytest.mark.parametrize("src", ["0", "last"])
+def test_broadcast_bytes_are_the_binomial_tree(suite, src):
+    n, ranks = wire_results(suite)
+    root = 0 if src == "0" else n - 1
+    for rank, w in enumerate(ranks):
+        e = w["ops"][f"broadcast_from_{src}"]["event"]
+        expected = TREE[n][(rank - root) % n] * S
+        assert abs(e.wire_bytes - expected) <= 0.02 * S, (rank, e.wire_bytes, expected)
+    # the ring model says S for all ranks but one: the two agree only at N = 2
+    assert ([w["ops"][f"broadcast_from_{src}"]["event"].ring_bytes > 0 for w in ranks]
+            == [(rank - root) % n != n - 1 for rank in range(n)])
+
+
+def test_overlapping_step_adds_up_and_leaves_the_users_writes_out(suite):
+    n, ranks = wire_results(suite)
+    for w in ranks:
+        step, log = w["step"], w["step"]["log"]
+        events_wire = log.total_wire_bytes()
+        # The main thread printed and saved a file while collectives were open: the kernel
+        # saw it write those bytes, and none of them went into an event.
+        assert step["thread"] >= step["user_bytes"]
+        comm_only = step["process"] - step["user_bytes"]
+        assert near(events_wire, comm_only, 0.03), (events_wire, step)
+        assert events_wire < step["process"] - step["user_bytes"] / 2  # not even half the file
+        assert near(events_wire, log.total_ring_bytes(), 0.03)  # all-reduces and all-gathers
+        assert not any(e.wire_exact for e in log.events)  # every window overlapped another
+
+
+def test_wire_bytes_by_group(suite):
+    n, ranks = wire_results(suite)
+    if n == 2:
+        pytest.skip("the pair of ranks 0 and 1 is the whole world")
+    for rank, w in enumerate(ranks):
+        log = w["groups"]
+        world, pair = tuple(range(n)), (0, 1)
+        assert [e.group_ranks for e in log.events] == [world] + ([pair] if rank < 2 else [])
+        assert near(log.total_wire_bytes(group=world), 2 * (n - 1) / n * S, 0.02)
+        assert near(log.total_wire_bytes(group=pair), S if rank < 2 else 0, 0.02)
+        assert log.total_ring_bytes(group=pair) == (S if rank < 2 else 0)
 
 
 # --- without a process group (one process, in this test process) ------------------------------
@@ -249,7 +372,7 @@ def test_wrappers_without_a_process_group_act_as_one_rank():
     assert t.tolist() == [0, 1, 2, 3]  # the average over one rank
     assert out.tolist() == [0, 2, 4, 6]
     assert gathered.tolist() == [1, 2, 3, 4]
-    assert [(e.op, e.tag, e.nbytes, e.sent_bytes) for e in log.events] == [
+    assert [(e.op, e.tag, e.nbytes, e.ring_bytes) for e in log.events] == [
         ("all_reduce", "x/ar", 16, 0), ("reduce_scatter", "x/rs", 16, 0),
         ("all_gather", "x/ag", 16, 0)]
     assert all(e.end is not None for e in log.events)
@@ -267,4 +390,54 @@ def test_nested_logs_both_record_and_nothing_is_recorded_outside():
     assert [e.tag for e in inner.events] == ["b"]
     assert inner.events[0].nbytes == 20
     assert [s.name for s in outer.spans] == [s.name for s in inner.spans] == ["forward"]
-    assert outer.total_bytes() == 0  # one rank sends nothing
+    assert outer.total_ring_bytes() == 0  # one rank sends nothing
+
+
+def test_wire_bytes_is_none_where_it_cannot_be_measured(monkeypatch):
+    with zerolab.record_comm() as log:
+        comm.all_reduce(torch.ones(3), tag="measured")
+    assert log.events[0].wire_bytes is not None and log.total_wire_bytes() is not None
+
+    monkeypatch.setattr(wire, "read", lambda thread: None)  # not Linux, no /proc
+    with zerolab.record_comm() as log:
+        comm.all_reduce(torch.ones(3), tag="a")
+        comm.all_gather(torch.empty(3), torch.ones(3), tag="b")
+    assert [e.wire_bytes for e in log.events] == [None, None]
+    assert [e.ring_bytes for e in log.events] == [0, 0]  # the model is still there
+    assert log.total_wire_bytes() is None and log.total_ring_bytes() == 0
+    assert log.wire_bytes_by_op() == {"all_reduce": None, "all_gather": None}
+
+    monkeypatch.undo()
+    monkeypatch.setattr(backends, "writes_through_os", lambda group: False)  # NCCL
+    with zerolab.record_comm() as log:
+        comm.all_reduce(torch.ones(3), tag="nccl")
+    assert log.events[0].wire_bytes is None and log.total_wire_bytes() is None
+
+
+def test_overlapping_windows_share_by_expected_bytes(monkeypatch):
+    """The attribution by hand, with made-up counter readings (process, recording thread)."""
+    big = comm.CommEvent("all_reduce", "big", nbytes=0, ring_bytes=300, wire_bytes=0)
+    small = comm.CommEvent("all_gather", "small", nbytes=0, ring_bytes=100, wire_bytes=0)
+    rec = comm._Recording(comm.CommLog(0, 2), thread=1, last=wire.Written(1000, 50))
+    rec.open = [comm._Open(big, weight=300, blocking=False)]
+    rec.advance(wire.Written(1500, 70))  # big alone, async: 500 written, 20 of it the user's
+    assert (big.wire_bytes, big.wire_exact) == (480, True)
+    rec.open.append(comm._Open(small, weight=100, blocking=False))
+    rec.advance(wire.Written(1900, 70))  # both open: 400 shared 3:1
+    assert (big.wire_bytes, small.wire_bytes) == (780, 100)
+    assert not big.wire_exact and not small.wire_exact
+    rec.open = [comm._Open(small, weight=100, blocking=True)]
+    rec.advance(wire.Written(2000, 90))  # synchronous: the thread's 20 bytes were the call's
+    assert small.wire_bytes == 200
+    rec.open = []
+    rec.advance(wire.Written(5000, 3000))  # nothing open: nobody's
+    assert big.wire_bytes + small.wire_bytes == 980 == (2000 - 1000) - 20
+
+
+def test_the_old_names_still_work():
+    e = comm.CommEvent(op="all_reduce", tag="t", nbytes=4, sent_bytes=6, start=0.0, end=1.0)
+    assert e.ring_bytes == e.sent_bytes == 6
+    with pytest.raises(AttributeError):
+        e.sent_bytes = 7  # read-only: ring_bytes is the field
+    log = comm.CommLog(0, 2, events=[e])
+    assert log.total_bytes() == log.total_ring_bytes() == 6

@@ -1,42 +1,45 @@
-"""Every collective zerolab issues goes through this file, with a tag.
+"""Every collective zerolab issues goes through this file, with a tag, and is recorded.
 
 A tag names the stage, the phase and the unit or bucket (`zero3/fwd/blocks.2`), so that a log of
 one training step reads like the algorithm. The wrappers add nothing to the algorithm; they
-record, per call, what was sent:
+record, per call (a `CommEvent`):
 
 - `nbytes`: S, the bytes of the *full* tensor the collective is about (the all-reduced tensor,
   the reduce-scatter's input, the all-gather's output);
-- `sent_bytes`: the bytes this rank sends under the ring algorithm, the textbook figure the
-  formulas use: all-reduce 2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S.
-
-Backends do not always run the ring (gloo implements reduce-scatter as an all-reduce
-underneath), so `sent_bytes` is the algorithmic figure, not a packet count.
+- `ring_bytes`: what this rank sends under the ring algorithm, the textbook model the formulas
+  use: all-reduce 2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S;
+- `wire_bytes`: what this rank actually wrote for the call, measured by the kernel's per-process
+  byte counter (zerolab.wire) over the call's window; None where it cannot be measured (NCCL,
+  not Linux), where a notebook then shows the ring model;
+- `impl`: what ran (zerolab.backends): on gloo an all-gather runs as N broadcasts and a
+  reduce-scatter as an all-reduce, which sends twice the ring figure;
+- `group_ranks`: the global ranks of the group it ran in.
 
 Usage, inside a worker:
 
     with zerolab.record_comm() as log:
         ...                               # training code
-    log.events, log.total_bytes()
+    log.events, log.total_ring_bytes(), log.total_wire_bytes()
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
+import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from zerolab import theory
+from zerolab import backends, theory, trace, wire
+from zerolab.trace import chrome_trace, save_chrome_trace
 
-# Note: torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
-# reduce_scatter_single and warns on the old names; torch 2.6 only has the old ones. This is the
-# one place that chooses.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+__all__ = ["CommEvent", "CommLog", "Handle", "Span", "all_gather", "all_reduce", "barrier",
+           "broadcast", "chrome_trace", "record_comm", "recv", "reduce_scatter",
+           "ring_sent_bytes", "save_chrome_trace", "send", "span"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -48,11 +51,26 @@ class CommEvent:
     op: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast", "send", "recv", ...
     tag: str  # stage/phase/unit, e.g. "zero3/fwd/blocks.2"
     nbytes: int  # S: bytes of the full tensor (see module docstring)
-    sent_bytes: int  # ring-algorithm bytes this rank sends
-    start: float  # seconds since the log's aligned start, when the call was issued
-    end: float | None  # when it completed (async: when waited on); None if never waited
+    ring_bytes: int = 0  # ring-algorithm bytes this rank sends: the model
+    start: float = 0.0  # seconds since the log's aligned start, when the call was issued
+    end: float | None = None  # when it completed (async: when waited on); None if never waited
     async_op: bool = False
     dtype: str = ""  # element type on the wire, e.g. "float32", "bfloat16"
+    wire_bytes: int | None = None  # measured: bytes this rank wrote in the call's window
+    wire_exact: bool = True  # False: the window overlapped others' and was shared (see Note)
+    impl: str = ""  # what ran, e.g. "all_gather as 3 broadcasts (gloo)"
+    group_ranks: tuple[int, ...] = ()  # global ranks of the group the call ran in
+    sent_bytes: InitVar[int | None] = None  # the old name of ring_bytes, still accepted
+
+    def __post_init__(self, sent_bytes: int | None) -> None:
+        if sent_bytes is not None:
+            self.ring_bytes = sent_bytes
+
+
+# Read-only alias, for callers written before wire_bytes existed. (Set after the class: inside
+# it, the name is taken by the InitVar that accepts `sent_bytes=` at construction.)
+CommEvent.sent_bytes = property(lambda self: self.ring_bytes,
+                                doc="The old name of ring_bytes (read-only).")
 
 
 @dataclass
@@ -62,6 +80,11 @@ class Span:
     name: str
     start: float
     end: float
+
+
+def _sum_or_none(values: list[int | None]) -> int | None:
+    # A sum with a hole in it would pass for a measurement: no sum at all instead.
+    return None if None in values else sum(values)
 
 
 @dataclass
@@ -74,16 +97,36 @@ class CommLog:
     spans: list[Span] = field(default_factory=list)
     t0: float = 0.0  # perf_counter() value all times are relative to
 
-    def total_bytes(self, tag_prefix: str = "") -> int:
-        """Ring-algorithm bytes this rank sent, over events whose tag starts with `tag_prefix`."""
-        return sum(e.sent_bytes for e in self.events if e.tag.startswith(tag_prefix))
+    def select(self, tag_prefix: str = "",
+               group: tuple[int, ...] | None = None) -> list[CommEvent]:
+        """Events whose tag starts with `tag_prefix` (and that ran in `group`, global ranks)."""
+        return [e for e in self.events if e.tag.startswith(tag_prefix)
+                and (group is None or e.group_ranks == tuple(group))]
+
+    def total_ring_bytes(self, tag_prefix: str = "",
+                         group: tuple[int, ...] | None = None) -> int:
+        """Ring-model bytes this rank sent, over the selected events (see `select`)."""
+        return sum(e.ring_bytes for e in self.select(tag_prefix, group))
+
+    total_bytes = total_ring_bytes  # the old name
+
+    def total_wire_bytes(self, tag_prefix: str = "",
+                         group: tuple[int, ...] | None = None) -> int | None:
+        """Measured bytes this rank wrote over the selected events; None if any is unmeasured."""
+        return _sum_or_none([e.wire_bytes for e in self.select(tag_prefix, group)])
 
     def bytes_by_op(self) -> dict[str, int]:
-        """sent_bytes summed per op name."""
+        """ring_bytes summed per op name."""
         out: dict[str, int] = {}
         for e in self.events:
-            out[e.op] = out.get(e.op, 0) + e.sent_bytes
+            out[e.op] = out.get(e.op, 0) + e.ring_bytes
         return out
+
+    def wire_bytes_by_op(self) -> dict[str, int | None]:
+        """wire_bytes summed per op name (None for an op with an unmeasured event)."""
+        ops = dict.fromkeys(e.op for e in self.events)
+        return {op: _sum_or_none([e.wire_bytes for e in self.events if e.op == op])
+                for op in ops}
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -98,38 +141,96 @@ class CommLog:
             self.spans.append(Span(name, start, self.now()))
 
     def chrome_trace_events(self) -> list[dict]:
-        """This rank's events in Chrome/Perfetto trace format (pid = rank, microseconds)."""
-        out = []
-        for s in self.spans:
-            out.append({"name": s.name, "cat": "compute", "ph": "X", "pid": self.rank,
-                        "tid": "compute", "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6})
-        for e in self.events:
-            end = e.end if e.end is not None else e.start
-            out.append({"name": e.tag, "cat": e.op, "ph": "X", "pid": self.rank, "tid": "comm",
-                        "ts": e.start * 1e6, "dur": (end - e.start) * 1e6,
-                        "args": {"op": e.op, "nbytes": e.nbytes, "sent_bytes": e.sent_bytes}})
-        return out
+        """This rank's events in Chrome/Perfetto trace format (see zerolab.trace)."""
+        return trace.rank_events(self)
 
 
-def chrome_trace(logs: list[CommLog]) -> dict:
-    """One Chrome/Perfetto trace (open in ui.perfetto.dev or chrome://tracing) for all ranks."""
-    events = []
-    for log in logs:
-        events.append({"name": "process_name", "ph": "M", "pid": log.rank,
-                       "args": {"name": f"rank {log.rank}"}})
-        events.extend(log.chrome_trace_events())
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+# Note: how measured bytes are given to events. The kernel counts bytes written per process and
+# per thread, not per collective, so the recorder reads the counters (zerolab.wire) at every
+# boundary it sees, each issue and each completion, and gives what was written in between to
+# the events open (issued, not yet seen complete) in that interval:
+#
+#   - one event open: all of it, and the event stays `wire_exact`;
+#   - several open (async calls overlap): split in proportion to the bytes each is expected to
+#     send (ring figure x what ran, see zerolab.backends), and all of them lose `wire_exact`;
+#   - none open: nobody's (the process wrote something that is not a collective).
+#
+# Every interval is given to exactly the events open in it, so the events of a step add up to
+# exactly what the process wrote while any of them was open, whatever the overlaps: per-step
+# totals are exact, per-event figures are exact only for events that ran alone. A window ends
+# when the recorder sees the completion (Handle.wait()), which can be later than the last byte.
+#
+# Other writes must stay out. gloo writes collectives from its own threads (pt_gloo_runloop and
+# gloo_tcp_loop, measured), send/recv partly from the calling thread. While a synchronous call
+# blocks the recording thread, everything the process writes is taken (that thread cannot print
+# meanwhile); while only async calls are open, that thread runs user code that may print or save
+# files, so its own writes are left out (process counter minus its thread counter). What cannot
+# be told apart: another thread of the user's that writes (a logger thread) during a window;
+# bytes of a collective issued before the block began, or from another thread than the one that
+# opened it; and bytes not written by the process at all (NCCL: DMA, so wire_bytes is None).
+# The recorder itself only reads /proc files, which counts as reading, not writing.
 
 
-def save_chrome_trace(path: str, logs: list[CommLog]) -> None:
-    with open(path, "w") as f:
-        json.dump(chrome_trace(logs), f)
+@dataclass(eq=False)
+class _Open:
+    """An event whose wire window is open in one recording."""
+
+    event: CommEvent
+    weight: float  # bytes it is expected to send: its share of an overlap
+    blocking: bool  # a synchronous call: the recording thread is inside it until it completes
+
+
+@dataclass(eq=False)
+class _Recording:
+    """One `record_comm()` block in progress: its log, the counters' last reading, open events."""
+
+    log: CommLog
+    thread: int  # native id of the thread that opened the block: whose writes are the user's
+    last: wire.Written | None
+    open: list[_Open] = field(default_factory=list)
+
+    def advance(self, now: wire.Written | None) -> None:
+        """Give what was written since the previous boundary to the events open in between."""
+        last, self.last = self.last, now
+        measured = [o for o in self.open if o.event.wire_bytes is not None]
+        if not measured:
+            return
+        if last is None or now is None:  # a reading failed: this interval cannot be counted
+            for o in measured:
+                o.event.wire_bytes = None
+            return
+        written = now.process - last.process
+        if not any(o.blocking for o in self.open):
+            written -= now.thread - last.thread  # the user's prints and saves meanwhile
+        for o, share in zip(measured, _split(written, [o.weight for o in measured])):
+            o.event.wire_bytes += share
+        if len(self.open) > 1:
+            for o in self.open:
+                o.event.wire_exact = False
+
+
+def _split(total: int, weights: list[float]) -> list[int]:
+    """`total` as whole shares in proportion to `weights` (equal if all are 0), summing to it."""
+    if sum(weights) == 0:
+        weights = [1.0] * len(weights)
+    # Round the running totals, not each share: the shares then add up to `total` exactly.
+    bounds = [round(total * c / sum(weights)) for c in itertools.accumulate(weights)]
+    return [b - a for a, b in zip([0, *bounds], bounds)]
 
 
 # Note: `record_comm()` must see collectives issued deep inside the strategies without every
-# function taking a log argument, the same way torch.profiler sees every kernel. The active logs
-# are this module's one piece of state; nothing else in zerolab keeps globals.
-_active_logs: list[CommLog] = []
+# function taking a log argument, the same way torch.profiler sees every kernel. The recordings
+# in progress are this module's one piece of state; nothing else in zerolab keeps globals.
+_active: list[_Recording] = []
+
+
+def _boundary(recordings: list[_Recording]) -> None:
+    """Read the counters (once per recording thread) and close the interval ending now."""
+    readings: dict[int, wire.Written | None] = {}
+    for rec in recordings:
+        if rec.thread not in readings:
+            readings[rec.thread] = wire.read(rec.thread)
+        rec.advance(readings[rec.thread])
 
 
 def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -138,28 +239,42 @@ def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _group_ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    if not dist.is_initialized():
+        return (0,)
+    return tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
 @contextlib.contextmanager
 def record_comm(group: dist.ProcessGroup | None = None, align: bool = True) -> Iterator[CommLog]:
     """Record every collective zerolab issues on this rank inside the block.
 
     align=True puts a barrier at entry, so every rank's clock starts at the same moment (to within
     the barrier's exit skew: microseconds on one machine). Every rank must then enter the block.
+    An async call still open when the block ends keeps the bytes written until then, and is
+    marked not `wire_exact`.
     """
     rank, world_size = _rank_and_size(group)
     if align and world_size > 1:
         dist.barrier(group)
-    log = CommLog(rank=rank, world_size=world_size, t0=time.perf_counter())
-    _active_logs.append(log)
+    thread = threading.get_native_id()
+    rec = _Recording(CommLog(rank=rank, world_size=world_size, t0=time.perf_counter()),
+                     thread, wire.read(thread))
+    _active.append(rec)
     try:
-        yield log
+        yield rec.log
     finally:
-        _active_logs.remove(log)
+        _boundary([rec])
+        for o in rec.open:
+            o.event.wire_exact = False  # its window was cut here
+        rec.open.clear()
+        _active.remove(rec)
 
 
 @contextlib.contextmanager
 def span(name: str) -> Iterator[None]:
     """Mark a compute span (forward, backward, step) in every active log."""
-    logs = list(_active_logs)
+    logs = [rec.log for rec in _active]
     starts = [log.now() for log in logs]
     try:
         yield
@@ -187,50 +302,64 @@ def ring_sent_bytes(op: str, nbytes: int, world_size: int, rank: int = 0, src: i
 class Handle:
     """What a zerolab collective returns: `wait()` blocks until done (a no-op when synchronous)."""
 
-    def __init__(self, work, events: list[CommEvent], then: Callable[[], None] | None = None):
-        self._work = work
-        self._events = events
-        self._then = then
-        self._done = work is None
-        if self._done:
-            self._finish()
-
-    def _finish(self) -> None:
-        if self._then is not None:
-            self._then()
-        for log, event in self._events:
-            event.end = log.now()
+    def __init__(self, work, finish: Callable[[], None]):
+        self._work = work  # torch's Work (or backends' stand-in); None: already complete
+        self._finish = finish
+        if work is None:
+            finish()
 
     def wait(self) -> None:
-        if not self._done:
+        if self._work is not None:
             self._work.wait()
-            self._done = True
+            self._work = None
             self._finish()
 
 
-def _record(op: str, tag: str, nbytes: int, group, async_op: bool, src: int,
-            dtype: torch.dtype | None) -> list:
-    if not _active_logs:
+def _open_events(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
+                 plan: backends.Plan, src: int) -> list[tuple[_Recording, _Open]]:
+    """At issue: close the interval before it, and open one event in every active log."""
+    if not _active:
         return []
-    rank, world_size = _rank_and_size(group)
-    sent = ring_sent_bytes(op, nbytes, world_size, rank, src)
-    dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else ""
-    events = []
-    for log in _active_logs:
-        event = CommEvent(op, tag, nbytes, sent, log.now(), None, async_op, dtype_name)
-        log.events.append(event)
-        events.append((log, event))
-    return events
-
-
-def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool, call,
-           then=None, src=0):
     nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
-    events = _record(op, tag, nbytes, group, async_op, src,
-                     None if tensor is None else tensor.dtype)
-    work = call() if dist.is_initialized() else None
+    dtype = "" if tensor is None else str(tensor.dtype).removeprefix("torch.")
+    rank, world_size = _rank_and_size(group)
+    ring = ring_sent_bytes(op, nbytes, world_size, rank, src)
+    wire_start = 0 if backends.writes_through_os(group) else None
+    ranks = _group_ranks(group)
+    _boundary(_active)
+    opened = []
+    for rec in _active:
+        event = CommEvent(op, tag, nbytes, ring, rec.log.now(), None, async_op, dtype,
+                          wire_bytes=wire_start, impl=plan.impl, group_ranks=ranks)
+        rec.log.events.append(event)
+        entry = _Open(event, weight=ring * plan.ring_factor, blocking=not async_op)
+        rec.open.append(entry)
+        opened.append((rec, entry))
+    return opened
+
+
+def _close_events(opened: list[tuple[_Recording, _Open]]) -> None:
+    """At completion: close the interval that ends now, and the events' windows."""
+    _boundary(_active)
+    for rec, entry in opened:
+        entry.event.end = rec.log.now()
+        if entry in rec.open:  # not when its block has ended since (its window was cut there)
+            rec.open.remove(entry)
+
+
+def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
+           plan: backends.Plan, then: Callable[[], object] | None = None, src: int = 0) -> Handle:
+    opened = _open_events(op, tag, tensor, group, async_op, plan, src)
+    work = plan.call()
+
+    def finish() -> None:
+        if then is not None:
+            then()
+        if opened:
+            _close_events(opened)
+
     # A synchronous call has completed when it returns: its Handle is done at once.
-    return Handle(work if async_op else None, events, then)
+    return Handle(work if async_op else None, finish)
 
 
 def _average_after(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | None:
@@ -245,8 +374,9 @@ def all_reduce(tensor: torch.Tensor, *, tag: str, op: str = "sum",
                group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
     """In place: every rank ends with the reduction (sum or avg) of everyone's `tensor`."""
     red = _OPS["sum" if op == "avg" else op]
-    return _issue("all_reduce", tag, tensor, group, async_op,
-                  lambda: dist.all_reduce(tensor, op=red, group=group, async_op=async_op),
+    plan = backends.native("all_reduce", group, lambda: dist.all_reduce(
+        tensor, op=red, group=group, async_op=async_op))
+    return _issue("all_reduce", tag, tensor, group, async_op, plan,
                   _average_after(tensor, op, group))
 
 
@@ -255,23 +385,14 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, tag: str, op: s
                    scratch_input: bool = False) -> Handle:
     """input: (world_size * k,) on every rank; output: (k,), rank r's chunk of the reduction.
 
-    gloo has no reduce-scatter of its own: torch's gloo backend copies `input`, all-reduces the
-    copy and keeps this rank's chunk. zerolab does the same here, and skips the copy (S bytes of
-    memory and a pass over them) when the caller says it will not read `input` again
-    (scratch_input=True): then `input` is all-reduced in place. The event records the
-    reduce-scatter and its ring figure either way: the algorithm's cost, not gloo's.
+    gloo has no reduce-scatter of its own: zerolab all-reduces (zerolab.backends), in place when
+    the caller says it will not read `input` again (scratch_input=True), else on a copy. The
+    event's ring_bytes is the reduce-scatter's ring figure (the algorithm's cost); its
+    wire_bytes and impl show what gloo sent: an all-reduce's, twice as much.
     """
     red = _OPS["sum" if op == "avg" else op]
-    if not dist.is_initialized():
-        output.copy_(input)
-
-    def call():
-        if _is_gloo(group):
-            return _reduce_scatter_by_all_reduce(output, input, red, group, async_op,
-                                                 scratch_input)
-        return _reduce_scatter_single(output, input, op=red, group=group, async_op=async_op)
-
-    return _issue("reduce_scatter", tag, input, group, async_op, call,
+    plan = backends.reduce_scatter(output, input, red, group, async_op, scratch_input)
+    return _issue("reduce_scatter", tag, input, group, async_op, plan,
                   _average_after(output, op, group))
 
 
@@ -279,92 +400,38 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str,
                group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
     """input: (k,) on every rank; output: (world_size * k,), the inputs in rank order.
 
-    On gloo, torch's all-gather goes through a temporary flat buffer and a copy out, and takes
-    several times as long as N broadcasts, rank r sending its k elements straight into chunk r
-    of everyone's `output`: the same (N-1)/N * S bytes per rank. So on gloo zerolab issues
-    those broadcasts; the event records one all-gather.
+    On gloo this runs as N broadcasts (zerolab.backends, faster than torch's gloo all-gather);
+    the event records one all-gather, whose measured bytes are the ring figure's.
     """
-    if not dist.is_initialized():
-        output.copy_(input)
-
-    def call():
-        if _is_gloo(group):
-            return _all_gather_by_broadcasts(output, input, group, async_op)
-        return _all_gather_single(output, input, group=group, async_op=async_op)
-
-    return _issue("all_gather", tag, output, group, async_op, call)
-
-
-# ---- gloo: reduce-scatter and all-gather from its fast collectives -----------------------------
-
-
-def _is_gloo(group: dist.ProcessGroup | None) -> bool:
-    return dist.get_backend(group) == "gloo"
-
-
-class _Works:
-    """Several collectives in flight as one: wait() waits for each, then runs `then` once."""
-
-    def __init__(self, works: list, then: Callable[[], object] | None = None):
-        self._works = works
-        self._then = then
-
-    def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        if self._then is not None:
-            self._then()
-            self._then = None
-        return True
-
-
-def _finish_or_return(works: _Works, async_op: bool) -> _Works | None:
-    if async_op:
-        return works
-    works.wait()
-    return None
-
-
-def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, red, group,
-                                  async_op: bool, scratch_input: bool) -> _Works | None:
-    rank, k = _rank_and_size(group)[0], output.numel()
-    buffer = input if scratch_input else input.clone()
-    work = dist.all_reduce(buffer, op=red, group=group, async_op=True)
-    own = buffer.view(-1)[rank * k:(rank + 1) * k]
-    return _finish_or_return(_Works([work], lambda: output.view(-1).copy_(own)), async_op)
-
-
-def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group,
-                              async_op: bool) -> _Works | None:
-    rank, world_size = _rank_and_size(group)
-    k = input.numel()
-    chunks = [output.view(-1)[r * k:(r + 1) * k] for r in range(world_size)]
-    chunks[rank].copy_(input.view(-1))
-    works = [dist.broadcast(chunk, r if group is None else dist.get_global_rank(group, r),
-                            group=group, async_op=True)
-             for r, chunk in enumerate(chunks)]
-    return _finish_or_return(_Works(works), async_op)
+    plan = backends.all_gather(output, input, group, async_op)
+    return _issue("all_gather", tag, output, group, async_op, plan)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, tag: str,
               group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
-    """In place: every rank ends with rank `src`'s `tensor` (src is a global rank)."""
-    return _issue("broadcast", tag, tensor, group, async_op,
-                  lambda: dist.broadcast(tensor, src, group=group, async_op=async_op), src=src)
+    """In place: every rank ends with rank `src`'s `tensor` (src is a global rank).
+
+    ring_bytes models a pipelined ring (every rank but one forwards S); gloo runs a binomial
+    tree instead, so its wire_bytes differ: the root sends S to each of its children.
+    """
+    plan = backends.native("broadcast", group, lambda: dist.broadcast(
+        tensor, src, group=group, async_op=async_op))
+    return _issue("broadcast", tag, tensor, group, async_op, plan, src=src)
 
 
 def barrier(*, tag: str, group: dist.ProcessGroup | None = None) -> None:
-    """Wait until every rank gets here (no payload: recorded with 0 bytes)."""
-    _issue("barrier", tag, None, group, False, lambda: dist.barrier(group=group))
+    """Wait until every rank gets here (no payload: 0 ring bytes; wire_bytes shows gloo's few)."""
+    _issue("barrier", tag, None, group, False,
+           backends.native("barrier", group, lambda: dist.barrier(group=group)))
 
 
 def send(tensor: torch.Tensor, dst: int, *, tag: str,
          group: dist.ProcessGroup | None = None) -> None:
     _issue("send", tag, tensor, group, False,
-           lambda: dist.send(tensor, dst, group=group))
+           backends.native("send", group, lambda: dist.send(tensor, dst, group=group)))
 
 
 def recv(tensor: torch.Tensor, src: int, *, tag: str,
          group: dist.ProcessGroup | None = None) -> None:
     _issue("recv", tag, tensor, group, False,
-           lambda: dist.recv(tensor, src, group=group))
+           backends.native("recv", group, lambda: dist.recv(tensor, src, group=group)))

@@ -1,0 +1,107 @@
+"""Worker functions for test_comm.py: measured (wire) bytes next to the ring model.
+
+One launch per world size runs `suite`: the small-tensor tour of every collective
+(workers.comm_suite), then the wire measurements on tensors of S >= 1 MiB.
+"""
+
+import os
+import tempfile
+import threading
+
+import torch
+import torch.distributed as dist
+import workers
+
+from zerolab import backends, comm, wire
+
+
+def suite(delay, numel):
+    result = workers.comm_suite(delay)
+    if dist.get_world_size() > 1:
+        result["wire"] = {"ops": one_at_a_time(numel), "native": torch_natives(numel),
+                          "step": overlapping_step(numel), "groups": in_a_subgroup(numel)}
+    return result
+
+
+def written() -> wire.Written:
+    """The counters for this process and this (the main) thread."""
+    return wire.read(threading.get_native_id())
+
+
+def outer(fn) -> dict:
+    """What the process and this thread wrote while `fn` ran, all ranks starting together."""
+    dist.barrier()
+    before = written()
+    fn()
+    after = written()
+    return {"process": after.process - before.process, "thread": after.thread - before.thread}
+
+
+def one_at_a_time(numel):
+    """Each zerolab collective alone, synchronous, over S = 4 * numel bytes (fp32)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    full, shard = torch.ones(numel), torch.ones(numel // n)  # (numel,), (numel / n,)
+    calls = {
+        "all_reduce": lambda: comm.all_reduce(full, tag="wire/all_reduce"),
+        "all_gather": lambda: comm.all_gather(full, shard, tag="wire/all_gather"),
+        "reduce_scatter": lambda: comm.reduce_scatter(shard, full, tag="wire/reduce_scatter"),
+        "broadcast_from_0": lambda: comm.broadcast(full, 0, tag="wire/broadcast_from_0"),
+        "broadcast_from_last": lambda: comm.broadcast(full, n - 1,
+                                                      tag="wire/broadcast_from_last"),
+    }
+    out = {}
+    with comm.record_comm() as log:
+        for name, call in calls.items():
+            measured = outer(call)
+            event = log.events[-1]
+            out[name] = {"event": event, "outer": measured["process"], "rank": rank}
+    return out
+
+
+def torch_natives(numel):
+    """torch's own gloo all-gather and reduce-scatter, measured from outside (no recorder)."""
+    n = dist.get_world_size()
+    full, shard = torch.ones(numel), torch.ones(numel // n)
+    return {
+        "all_gather": outer(lambda: backends._all_gather_single(full, shard))["process"],
+        "reduce_scatter": outer(lambda: backends._reduce_scatter_single(shard, full))["process"],
+    }
+
+
+def overlapping_step(numel):
+    """Several async collectives in flight at once, a synchronous one among them, and the main
+    thread printing and saving a file while they are open. Measured from outside as a whole."""
+    n = dist.get_world_size()
+    a, b, c = torch.ones(numel), torch.ones(numel), torch.ones(numel // 2)
+    gathered, more = torch.empty(numel), torch.empty(numel)
+    file_bytes = b"\0" * (1 << 20)  # 1 MiB: as much as a fraction of the step's traffic
+    message = "step: collectives in flight " + "." * 200
+    with tempfile.TemporaryDirectory() as tmp, comm.record_comm() as log:
+        dist.barrier()
+        before = written()
+        handles = [comm.all_reduce(a, tag="step/ar.a", async_op=True),
+                   comm.all_gather(gathered, torch.ones(numel // n), tag="step/ag.1",
+                                   async_op=True),
+                   comm.all_reduce(c, tag="step/ar.c", async_op=True)]
+        print(message, flush=True)  # user code while they are in flight
+        with open(os.path.join(tmp, "checkpoint.bin"), "wb") as f:
+            f.write(file_bytes)
+        comm.all_reduce(b, tag="step/ar.b")  # synchronous, while the others are open
+        handles.append(comm.all_gather(more, torch.ones(numel // n), tag="step/ag.2",
+                                       async_op=True))
+        for handle in reversed(handles):
+            handle.wait()
+        after = written()
+    return {"log": log, "process": after.process - before.process,
+            "thread": after.thread - before.thread,
+            "user_bytes": len(file_bytes) + len(message) + 1}  # + the newline
+
+
+def in_a_subgroup(numel):
+    """An all-reduce in the group of ranks 0 and 1 (every rank must create the group)."""
+    pair = dist.new_group([0, 1])
+    with comm.record_comm() as log:
+        comm.all_reduce(torch.ones(numel), tag="wire/world")
+        if dist.get_rank() in (0, 1):
+            comm.all_reduce(torch.ones(numel), tag="wire/pair", group=pair)
+    return log
