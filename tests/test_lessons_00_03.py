@@ -13,6 +13,7 @@ import torch
 
 import zerolab
 from zerolab import theory
+from zerolab.harness import max_diff
 from zerolab.lessons import n00_launch, n01_memory, n02_collectives, n03_zero1
 
 PSI = 28_032  # zerolab.models.GPT(): Ψ, every parameter trainable, one tied weight
@@ -45,11 +46,6 @@ def at4() -> list[dict]:
     return zerolab.launch(lessons_at_4, world_size=4, timeout=240)
 
 
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
-
-
 # ---- 00: launch ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fixture", ["at2", "at4"])
@@ -58,22 +54,23 @@ def test_first_all_reduce_sums_and_sends_the_ring_figure(fixture, request):
     n = len(results)
     for rank, r in enumerate(results):
         first = r["first"]
-        assert (first["rank"], first["world_size"]) == (rank, n)
-        assert first["before"] == [(rank + 1) * v for v in (1, 10, 100)]
-        assert first["after"] == [n * (n + 1) // 2 * v for v in (1, 10, 100)]
-        (event,) = first["log"].events
+        assert (first.rank, first.world_size) == (rank, n)
+        assert first.before == [(rank + 1) * v for v in (1, 10, 100)]
+        assert first.after == [n * (n + 1) // 2 * v for v in (1, 10, 100)]
+        (event,) = first.log.events
         assert (event.op, event.nbytes) == ("all_reduce", 12)
-        assert first["log"].total_bytes() == 2 * (n - 1) * 12 // n
-    assert len({r["first"]["pid"] for r in results}) == n
+        assert first.log.total_bytes() == 2 * (n - 1) * 12 // n
+    assert len({r["first"].pid for r in results}) == n
 
 
 def test_process_groups_reduce_within_pairs(at4):
     for rank, r in enumerate(at4):
         groups = r["groups"]
-        assert groups["pair"] == [rank - rank % 2, rank - rank % 2 + 1]
-        assert groups["rank_in_pair"] == rank % 2
-        assert groups["world_sum"] == 1 + 2 + 3 + 4
-        assert groups["pair_sum"] == sum(p + 1 for p in groups["pair"])
+        assert groups.rank == rank
+        assert groups.pair == [rank - rank % 2, rank - rank % 2 + 1]
+        assert groups.rank_in_pair == rank % 2
+        assert groups.world_sum == 1 + 2 + 3 + 4
+        assert groups.pair_sum == sum(p + 1 for p in groups.pair)
 
 
 def test_fail_on_is_reported_by_rank_and_leaves_nothing_running():
@@ -92,25 +89,25 @@ def test_fail_on_is_reported_by_rank_and_leaves_nothing_running():
 def test_ddp_model_states_are_16_psi_plus_step_counters_on_every_rank(at2):
     for r in at2:
         m = r["memory"]
-        assert (m["psi"], m["param_tensors"]) == (PSI, PARAM_TENSORS)
-        assert m["fp32"] == {"params": 4 * PSI, "grads": 4 * PSI,
-                             "optimizer": 8 * PSI + 4 * PARAM_TENSORS}
+        assert (m.psi, m.param_tensors) == (PSI, PARAM_TENSORS)
+        assert m.fp32 == {"params": 4 * PSI, "grads": 4 * PSI,
+                          "optimizer": 8 * PSI + 4 * PARAM_TENSORS}
         # bf16 mixed precision: 2 + 2 + 12 (fp32 masters, m, v): the same 16Ψ in all
-        assert m["mixed"] == {"params": 2 * PSI, "grads": 2 * PSI,
-                              "optimizer": 12 * PSI + 4 * PARAM_TENSORS}
-        assert sum(m["fp32"].values()) == pytest.approx(
+        assert m.mixed == {"params": 2 * PSI, "grads": 2 * PSI,
+                           "optimizer": 12 * PSI + 4 * PARAM_TENSORS}
+        assert sum(m.fp32.values()) == pytest.approx(
             theory.model_state_memory(PSI, 2, "DDP").total, abs=4 * PARAM_TENSORS)
 
 
 def test_ddp_ranks_hold_identical_copies(at2):
     a, b = at2[0]["memory"], at2[1]["memory"]
-    assert all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
-    assert torch.equal(a["grads"], b["grads"])
-    assert a["grads"].numel() == PSI
+    assert all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+    assert torch.equal(a.grads, b.grads)
+    assert a.grads.numel() == PSI
 
 
 def test_ddp_trace_shows_adam_state_born_in_the_first_step(at2):
-    trace = at2[0]["memory"]["trace"]
+    trace = at2[0]["memory"].trace
     first, last = trace.samples[0][1], trace.samples[-1][1]
     assert first["params"] == first["grads"] == 4 * PSI
     assert first["optimizer"] == 0
@@ -119,7 +116,7 @@ def test_ddp_trace_shows_adam_state_born_in_the_first_step(at2):
 
 
 def test_activations_grow_with_the_batch_and_model_states_do_not(at2):
-    peaks = at2[0]["memory"]["peaks"]
+    peaks = at2[0]["memory"].peaks
     assert list(peaks) == [4, 8, 16]
     states = [{k: v for k, v in p.items() if k != "other"} for p in peaks.values()]
     assert all(s == states[0] for s in states)
@@ -131,20 +128,20 @@ def test_activations_grow_with_the_batch_and_model_states_do_not(at2):
 # ---- 02: collectives ----------------------------------------------------------------------------
 
 def test_the_seeds_reduce_scatter_example_is_exact(at4):
-    seeds = [r["tour"]["seeds"] for r in at4[:3]]
-    assert at4[3]["tour"]["seeds"] is None
-    assert [s["reduce_scatter"] for s in seeds] == [[6, 12], [14, 56], [36, 288]]
-    assert seeds[1]["input_chunks"] == [[2, 4], [4, 16], [8, 64]]
+    seeds = [r["tour"].seeds for r in at4[:3]]
+    assert at4[3]["tour"].seeds is None
+    assert [s.reduce_scatter for s in seeds] == [[6, 12], [14, 56], [36, 288]]
+    assert seeds[1].input_chunks == [[2, 4], [4, 16], [8, 64]]
     for s in seeds:
-        assert s["all_gather"] == s["all_reduce"] == [6, 12, 14, 56, 36, 288]
-        assert s["rs_then_ag_equals_ar"] and s["ring_equals_torch"]
-        assert s["ring_snapshots"][-1] == [6, 12, 14, 56, 36, 288]
+        assert s.all_gather == s.all_reduce == [6, 12, 14, 56, 36, 288]
+        assert s.rs_then_ag_equals_ar and s.ring_equals_torch
+        assert s.ring_snapshots[-1] == [6, 12, 14, 56, 36, 288]
 
 
 def test_ring_all_gather_fills_one_shard_per_step_from_the_left(at4):
-    seeds = [r["tour"]["seeds"] for r in at4[:3]]
+    seeds = [r["tour"].seeds for r in at4[:3]]
     for rank, s in enumerate(seeds):
-        for step, snapshot in enumerate(s["ring_snapshots"]):
+        for step, snapshot in enumerate(s.ring_snapshots):
             held = {j for j in range(3) if snapshot[2 * j] is not None}
             assert held == {(rank - i) % 3 for i in range(step + 1)}
 
@@ -154,10 +151,10 @@ def test_bytes_per_rank_match_the_ring_formulas(at4, n):
     s = 4 * BYTES_NUMEL
     passes = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "rs+ag": 2,
               "ring all_gather": 1}
-    ranks = [r for r in at4 if n in r["tour"]["bytes"]]
+    ranks = [r for r in at4 if n in r["tour"].bytes]
     assert len(ranks) == n
     for r in ranks:
-        logs = r["tour"]["bytes"][n]
+        logs = r["tour"].bytes[n]
         assert logs["all_reduce"].events[0].nbytes == s
         for op, k in passes.items():
             assert logs[op].total_bytes() == k * (n - 1) * s // n, op
@@ -169,7 +166,7 @@ def test_bytes_per_rank_match_the_ring_formulas(at4, n):
 
 def test_timeline_log_has_three_phases_and_every_call(at4):
     for r in at4:
-        log = r["tour"]["timeline"]
+        log = r["tour"].timeline
         assert [sp.name for sp in log.spans] == [
             "phase 1: all-reduce", "phase 2: RS + AG", "phase 3: ring AG"]
         assert len(log.events) == 3 + 2 * 3
@@ -178,54 +175,58 @@ def test_timeline_log_has_three_phases_and_every_call(at4):
 
 # ---- 03: ZeRO-1 ---------------------------------------------------------------------------------
 
-STAGE_FORMULA = {"DDP": "DDP", "ZeRO-1": "ZeRO-1", "ZeRO-1 naive": theory.NAIVE_ZERO1}
+STAGES = n03_zero1.COMPARED  # harness names; theory reads them as its stage names
+
+
+def test_zero1_lesson_compares_ddp_zero1_and_the_naive_version():
+    assert [theory.stage_name(s) for s in STAGES] == ["DDP", "ZeRO-1", theory.NAIVE_ZERO1]
 
 
 def test_zero1_and_naive_train_the_same_model_as_ddp(at4):
-    single = at4[0]["zero1"][1]["DDP"]["state"]
+    single = at4[0]["zero1"][1]["ddp"].state
     for r in at4:
+        rank = r["first"].rank
         for n in (1, 2, 4):
-            run = r["zero1"][n]
-            assert run["group"] == list(range(r["first"]["rank"] // n * n,
-                                              r["first"]["rank"] // n * n + n))
-            for stage in STAGE_FORMULA:
-                assert max_diff(run[stage]["state"], run["DDP"]["state"]) <= 1e-6, (n, stage)
-                assert max_diff(run[stage]["state"], single) <= 1e-5, (n, stage)
+            runs = r["zero1"][n]
+            assert list(runs) == list(STAGES)
+            for stage in STAGES:
+                assert runs[stage].group == list(range(rank // n * n, rank // n * n + n))
+                assert max_diff(runs[stage].state, runs["ddp"].state) <= 1e-6, (n, stage)
+                assert max_diff(runs[stage].state, single) <= 1e-5, (n, stage)
 
 
 def test_zero1_optimizer_bytes_are_8_psi_over_n(at4):
     for r in at4:
         for n in (1, 2, 4):
-            run = r["zero1"][n]
-            assert run["DDP"]["bytes"] == {"params": 4 * PSI, "grads": 4 * PSI,
-                                           "optimizer": 8 * PSI + 4 * PARAM_TENSORS}
-            for stage in ("ZeRO-1", "ZeRO-1 naive"):
-                assert run[stage]["layouts"] == [(PSI, PSI)]  # one bucket, no padding
-                assert run[stage]["bytes"] == {"params": 4 * PSI, "grads": 4 * PSI,
-                                               "optimizer": 8 * PSI // n + 4}
-                total = sum(run[stage]["bytes"].values())
+            runs = r["zero1"][n]
+            assert runs["ddp"].held == {"params": 4 * PSI, "grads": 4 * PSI,
+                                        "optimizer": 8 * PSI + 4 * PARAM_TENSORS}
+            for stage in ("zero1", "zero1naive"):
+                assert runs[stage].layouts == [(PSI, PSI)]  # one bucket, no padding
+                assert runs[stage].held == {"params": 4 * PSI, "grads": 4 * PSI,
+                                            "optimizer": 8 * PSI // n + 4}
+                total = sum(runs[stage].held.values())
                 assert total - 4 == theory.model_state_memory(PSI, n, "ZeRO-1").total
 
 
 def test_zero1_sends_2_psi_and_the_naive_version_3_psi(at4):
     for r in at4:
         for n in (1, 2, 4):
-            run = r["zero1"][n]
-            for stage, name in STAGE_FORMULA.items():
-                expected = theory.comm_volume(PSI, n, name).ring_sent_bytes
-                assert run[stage]["log"].total_bytes() == expected, (n, stage)
-            ops = {s: set(run[s]["log"].bytes_by_op()) for s in STAGE_FORMULA}
+            runs = r["zero1"][n]
+            for stage in STAGES:
+                expected = theory.comm_volume(PSI, n, stage).ring_sent_bytes
+                assert runs[stage].log.total_bytes() == expected, (n, stage)
+            ops = {s: set(runs[s].log.bytes_by_op()) for s in STAGES}
             if n > 1:
-                assert ops == {"DDP": {"all_reduce"},
-                               "ZeRO-1": {"reduce_scatter", "all_gather"},
-                               "ZeRO-1 naive": {"all_reduce", "all_gather"}}
-        run = r["zero1"][4]
-        assert run["ZeRO-1 naive"]["log"].total_bytes() * 2 == \
-            run["ZeRO-1"]["log"].total_bytes() * 3
+                assert ops == {"ddp": {"all_reduce"},
+                               "zero1": {"reduce_scatter", "all_gather"},
+                               "zero1naive": {"all_reduce", "all_gather"}}
+        runs = r["zero1"][4]
+        assert runs["zero1naive"].log.total_bytes() * 2 == runs["zero1"].log.total_bytes() * 3
 
 
 def test_zero1_step_reduces_after_backward_inside_step(at4):
-    log = at4[0]["zero1"][2]["ZeRO-1"]["log"]
+    log = at4[0]["zero1"][2]["zero1"].log
     step = next(s for s in log.spans if s.name == "step")
     backward = next(s for s in log.spans if s.name == "backward")
     assert [e.op for e in log.events] == ["reduce_scatter", "all_gather"]

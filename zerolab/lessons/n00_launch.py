@@ -1,23 +1,52 @@
 """Notebook 00: ranks, process groups and the first all-reduce, on spawned processes.
 
 Every function here runs on each rank of `zerolab.launch(fn, world_size=N)`: N fresh Python
-processes, each with the default process group already initialised. They return plain data,
-which `launch` brings back to the notebook as a list ordered by rank.
+processes, each with the default process group already initialised. They return plain data (a
+small dataclass per function, below), which `launch` brings back to the notebook as a list
+ordered by rank.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import zerolab
 from zerolab import comm
+from zerolab.comm import CommLog
 
 
-def first_all_reduce(late_seconds: float = 0.1) -> dict:
+@dataclass
+class FirstAllReduce:
+    """One rank's view of `first_all_reduce`."""
+
+    rank: int  # this rank, 0 .. world_size - 1
+    world_size: int  # N, the number of ranks launched
+    backend: str  # "gloo" on CPU, "nccl" on GPUs
+    device: str  # where this rank's tensors live: "cpu", "cuda:r"
+    pid: int  # the operating system's process id: one process per rank
+    threads: int  # torch's intra-op threads in this rank
+    before: list[int]  # x_r = (r + 1) * [1, 10, 100], before the all-reduce
+    after: list[int]  # x_0 + ... + x_{N-1} = N(N+1)/2 * [1, 10, 100], on every rank
+    log: CommLog  # what zerolab.comm recorded: the call (op, tag, bytes, times), "work" span
+
+
+@dataclass
+class PairSums:
+    """One rank's view of `process_groups`."""
+
+    rank: int  # global rank
+    pair: list[int]  # the global ranks of its pair {2k, 2k + 1}
+    rank_in_pair: int  # its rank inside the pair: 0 or 1
+    world_sum: int  # all-reduce over every rank: 1 + 2 + ... + N
+    pair_sum: int  # all-reduce over the pair only: (2k + 1) + (2k + 2)
+
+
+def first_all_reduce(late_seconds: float = 0.1) -> FirstAllReduce:
     """Who am I, and the first collective: every rank adds its vector into everyone's.
 
     Rank r contributes x_r = (r + 1) * [1, 10, 100] (3,), and `all_reduce` (sum) overwrites
@@ -25,9 +54,8 @@ def first_all_reduce(late_seconds: float = 0.1) -> dict:
     Before the call, rank r is busy for r * late_seconds (a sleep, standing in for a slower
     forward pass), so that the timeline shows who waits for whom.
 
-    Returns, for this rank: rank, world_size, backend, device, pid, torch threads, the vector
-    before and after (lists of ints: the values are small integers, exact in float32), and the
-    CommLog of the call (what zerolab.comm recorded: op, tag, bytes, times; and the "work" span).
+    Returns this rank's FirstAllReduce: who it is, the vector before and after (lists of ints:
+    the values are small integers, exact in float32) and the CommLog of the call.
     """
     ctx = zerolab.init_from_env()  # already initialised by launch: just reads where we are
     x = torch.tensor([1.0, 10.0, 100.0], device=ctx.device) * (ctx.rank + 1)  # (3,)
@@ -36,27 +64,20 @@ def first_all_reduce(late_seconds: float = 0.1) -> dict:
         with log.span("work"):
             time.sleep(ctx.rank * late_seconds)
         comm.all_reduce(x, tag="lesson00/first")  # in place; every rank must make this call
-    return {
-        "rank": ctx.rank,
-        "world_size": ctx.world_size,
-        "backend": ctx.backend,
-        "device": str(ctx.device),
-        "pid": os.getpid(),
-        "threads": torch.get_num_threads(),
-        "before": before,
-        "after": [int(v) for v in x.tolist()],
-        "log": log,
-    }
+    return FirstAllReduce(rank=ctx.rank, world_size=ctx.world_size, backend=ctx.backend,
+                          device=str(ctx.device), pid=os.getpid(),
+                          threads=torch.get_num_threads(), before=before,
+                          after=[int(v) for v in x.tolist()], log=log)
 
 
-def process_groups() -> dict:
+def process_groups() -> PairSums:
     """All-reduce over the whole world, then only within pairs of ranks (an even world size).
 
     Every rank creates every group, in the same order (group creation is itself collective);
     rank r then talks only in its own pair {2k, 2k+1}. Rank r contributes r + 1.
 
-    Returns: rank, the global ranks in its pair, its rank inside the pair, the world sum
-    (N(N+1)/2) and the pair sum ((2k+1) + (2k+2)), as ints.
+    Returns this rank's PairSums: its pair, its rank in it, the world sum (N(N+1)/2) and the
+    pair sum ((2k+1) + (2k+2)), as ints.
     """
     ctx = zerolab.init_from_env()
     if ctx.world_size % 2:
@@ -68,13 +89,9 @@ def process_groups() -> dict:
     world, pair = x.clone(), x.clone()
     comm.all_reduce(world, tag="lesson00/world")  # default group: every rank
     comm.all_reduce(pair, tag="lesson00/pair", group=mine)  # only the two ranks of `mine`
-    return {
-        "rank": ctx.rank,
-        "pair": dist.get_process_group_ranks(mine),
-        "rank_in_pair": dist.get_rank(mine),
-        "world_sum": int(world.item()),
-        "pair_sum": int(pair.item()),
-    }
+    return PairSums(rank=ctx.rank, pair=dist.get_process_group_ranks(mine),
+                    rank_in_pair=dist.get_rank(mine), world_sum=int(world.item()),
+                    pair_sum=int(pair.item()))
 
 
 def fail_on(bad_rank: int, busy_seconds: float = 600.0) -> int:

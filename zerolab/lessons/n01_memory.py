@@ -1,84 +1,80 @@
 """Notebook 01: where the memory of data-parallel training goes, measured on every rank.
 
 `ddp_memory` runs on each rank of `zerolab.launch(ddp_memory, world_size=N, args=(...))`.
-It trains zerolab's tiny GPT with zerolab.DDP and AdamW and returns what the rank holds,
-measured from the live tensors (zerolab.memory), never computed from a formula.
+It trains zerolab's tiny GPT with zerolab.DDP and AdamW and returns what the rank holds
+(a `DDPMemory`), measured from the live tensors (zerolab.memory), never computed from a formula.
+Each step is `harness.measured_step`: the same measured step as every other notebook's.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 import zerolab
-from zerolab import models
+from zerolab import harness, models
+from zerolab.memory import MemoryTrace
 
 
-def _traced_step(engine: zerolab.DDP, model: models.GPT, x: torch.Tensor, y: torch.Tensor
-                 ) -> zerolab.MemoryTrace:
-    """One forward + backward + step, with every live tensor followed by category.
+@dataclass
+class DDPMemory:
+    """What one DDP rank holds, measured.
 
-    x, y: (batch, 16) token ids. The trace's samples are (seconds, {"params", "grads",
-    "optimizer", "other"} bytes); "other" is whatever is alive and not a model state.
+    Bytes come as dicts by category: {"params", "grads", "optimizer"} for model states, plus
+    "other" in a trace or a peak: whatever is alive and not a model state (activations,
+    temporaries).
     """
-    with zerolab.track_memory(engine.state_tensors) as trace:
-        loss = model.loss(engine(x), y)
-        loss.backward()
-        engine.step()
-    return trace
+
+    psi: int  # Ψ, the number of parameters (a tied weight counted once)
+    param_tensors: int  # how many parameter tensors (Adam keeps a 4-byte step counter for each)
+    fp32: dict[str, int]  # model-state bytes after the first step(), before zero_grad()
+    mixed: dict[str, int]  # the same for a bf16 model (fp32 master weights in the optimizer)
+    trace: MemoryTrace  # live bytes by category over that first fp32 step
+    peaks: dict[int, dict[str, int]]  # sequences per rank -> bytes at a later step's peak
+    state: dict[str, torch.Tensor]  # full_state_dict() after the first step (CPU)
+    grads: torch.Tensor  # (Ψ,) the averaged flat gradient after the first step (CPU)
 
 
-def ddp_memory(batch_sizes: tuple[int, ...] = (4, 8, 16), lr: float = 1e-3) -> dict:
+def ddp_memory(batch_sizes: tuple[int, ...] = (4, 8, 16), lr: float = 1e-3) -> DDPMemory:
     """DDP's memory on this rank: model states in fp32 and in bf16 mixed precision, and
-    activations at several batch sizes.
+    activations at several batch sizes (sequences of 16 tokens per rank).
 
     Every rank trains the same GPT (zerolab.models.GPT(), Ψ = 28,032 parameters, tied
-    embedding) on its own batch of `batch_sizes[0]` sequences of 16 tokens. Each rank draws a
-    different batch (seed = rank), as in real data parallelism.
-
-    Returns, for this rank:
-      psi            Ψ, the number of parameters (a tied weight counted once)
-      param_tensors  how many parameter tensors (Adam keeps a 4-byte step counter for each)
-      fp32           model_state_bytes() after the first step: {"params", "grads", "optimizer"}
-      mixed          the same for a bf16 model (fp32 master weights inside the optimizer)
-      trace          MemoryTrace of that first fp32 step (samples by category, over time)
-      peaks          {batch size: the trace's breakdown at the peak of a later step}; "other"
-                     is everything that is not a model state: activations and temporaries
-      state          full_state_dict() after the step (CPU tensors), to compare across ranks
-      grads          the averaged flat gradient after the step (CPU), to compare across ranks
+    embedding). Each step draws one global batch of batch_size x N sequences and gives each
+    rank its own rows (harness.local_batch), so the ranks see different data, as in real data
+    parallelism. The first step uses `batch_sizes[0]`.
     """
     ctx = zerolab.init_from_env()
     model = models.GPT().to(ctx.device)
-    engine = zerolab.DDP(model, torch.optim.AdamW, lr=lr)
-    x, y = (t.to(ctx.device) for t in model.make_batch(batch_sizes[0], seed=ctx.rank))
-    trace = _traced_step(engine, model, x, y)  # the first step: Adam creates its state here
-    fp32 = engine.model_state_bytes()  # after step(), before zero_grad(): grads still held
+    engine = harness.make_engine("ddp", model, lr=lr)  # zerolab.DDP with AdamW
+
+    def batch(step: int, per_rank: int) -> tuple[torch.Tensor, ...]:
+        # x, y: (per_rank, 16) token ids, this rank's rows of the step's global batch
+        rows = harness.local_batch(model.make_batch, per_rank * ctx.world_size, seed=step,
+                                   rank=ctx.rank, world_size=ctx.world_size)
+        return tuple(t.to(ctx.device) for t in rows)
+
+    x, y = batch(0, batch_sizes[0])
+    # The first step: Adam creates its state here. Keep the gradients to read them after.
+    first = harness.measured_step(engine, x, y, zero_grad=False)
     grads = torch.cat([b.flat_grad for b in engine.buckets]).cpu()
     state = {k: v.cpu() for k, v in engine.full_state_dict().items()}
     engine.zero_grad()
 
     peaks = {}
-    for i, batch in enumerate(batch_sizes):  # later steps: the state exists before forward
-        xb, yb = (t.to(ctx.device) for t in model.make_batch(batch, seed=100 * (i + 1) + ctx.rank))
-        peaks[batch] = _traced_step(engine, model, xb, yb).peak_by_category
-        engine.zero_grad()
+    for i, per_rank in enumerate(batch_sizes):  # later steps: the state exists before forward
+        measured = harness.measured_step(engine, *batch(i + 1, per_rank))
+        peaks[per_rank] = measured.memory.peak_by_category
 
     # Mixed precision: bf16 parameters and gradients; the optimizer steps fp32 master copies.
     model16 = models.GPT().to(ctx.device)
-    engine16 = zerolab.DDP(model16, torch.optim.AdamW, param_dtype=torch.bfloat16, lr=lr)
-    model16.loss(engine16(x), y).backward()
-    engine16.step()
-    mixed = engine16.model_state_bytes()
+    engine16 = harness.make_engine("ddp", model16, param_dtype=torch.bfloat16, lr=lr)
+    mixed = harness.measured_step(engine16, x, y, memory=False).held
 
-    return {
-        "psi": models.num_params(model),
-        "param_tensors": len(list(model.parameters())),
-        "fp32": fp32,
-        "mixed": mixed,
-        "trace": trace,
-        "peaks": peaks,
-        "state": state,
-        "grads": grads,
-    }
+    return DDPMemory(psi=models.num_params(model), param_tensors=len(list(model.parameters())),
+                     fp32=first.held, mixed=mixed, trace=first.memory, peaks=peaks,
+                     state=state, grads=grads)
 
 
 def bytes_table(rows: list[tuple[str, dict[str, int]]]) -> str:

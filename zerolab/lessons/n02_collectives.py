@@ -7,10 +7,12 @@ skip it. Group rank and global rank coincide in these groups (they start at rank
 keeps the send/recv code readable.
 
 Every tensor here holds small integers, so every sum is exact in float32 and printed values
-can be compared exactly.
+can be compared exactly. The results come back as the dataclasses below.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -18,6 +20,31 @@ import torch.distributed as dist
 import zerolab
 from zerolab import comm
 from zerolab.comm import CommLog
+
+Ints = list[int | None]  # a tensor of small integers as a list; None: a slot not received yet
+
+
+@dataclass
+class SeedsExample:
+    """One rank's view of `seeds_example`, on 3 ranks (tensors as lists of ints)."""
+
+    input_chunks: list[Ints]  # this rank's input, 3 chunks of 2
+    reduce_scatter: Ints  # (2,): chunk r summed over the ranks
+    all_gather: Ints  # (6,): every rank's reduce-scatter result, in rank order
+    all_reduce: Ints  # (6,): the inputs summed over the ranks
+    rs_then_ag_equals_ar: bool  # all_gather == all_reduce, exactly: AR = RS + AG
+    ring_snapshots: list[Ints]  # our ring all-gather's output after each step (None: empty)
+    ring_equals_torch: bool  # the ring's final output == torch's all-gather, exactly
+
+
+@dataclass
+class CollectivesTour:
+    """One rank's results of `collectives_tour`."""
+
+    rank: int  # global rank, of 4
+    seeds: SeedsExample | None  # ranks 0-2: the 3-rank example; None on rank 3
+    bytes: dict[int, dict[str, CommLog]]  # k -> `bytes_experiment`'s logs in ranks 0..k-1
+    timeline: CommLog  # `timeline_experiment` on all 4 ranks
 
 
 def pass_right(send: torch.Tensor, recv: torch.Tensor, rank: int, world_size: int,
@@ -63,12 +90,12 @@ def ring_all_gather(shard: torch.Tensor, group: dist.ProcessGroup | None = None,
     return out, snapshots
 
 
-def _ints(t: torch.Tensor) -> list:
+def _ints(t: torch.Tensor) -> Ints:
     """A tensor of small integers (NaN: not received yet) as a list of ints (None for NaN)."""
     return [None if v != v else int(v) for v in t.tolist()]
 
 
-def seeds_example(group: dist.ProcessGroup, device: torch.device) -> dict:
+def seeds_example(group: dist.ProcessGroup, device: torch.device) -> SeedsExample:
     """The seeds' 3-rank example, then all-gather, all-reduce and AR = RS + AG on it.
 
     Rank r's input is 3 chunks of 2: chunk j = [(r+1)*1, (r+1)*2] ** (j+1), laid end to end
@@ -89,15 +116,12 @@ def seeds_example(group: dist.ProcessGroup, device: torch.device) -> dict:
     comm.all_reduce(reduced, tag="lesson02/seeds/all_reduce", group=group)
 
     ring, snapshots = ring_all_gather(mine, group, tag="lesson02/seeds/ring")
-    return {
-        "input_chunks": [_ints(c) for c in x.chunk(n)],
-        "reduce_scatter": _ints(mine),
-        "all_gather": _ints(gathered),
-        "all_reduce": _ints(reduced),
-        "rs_then_ag_equals_ar": torch.equal(gathered, reduced),  # AR = RS + AG
-        "ring_snapshots": [_ints(s) for s in snapshots],
-        "ring_equals_torch": torch.equal(ring, gathered),
-    }
+    return SeedsExample(input_chunks=[_ints(c) for c in x.chunk(n)],
+                        reduce_scatter=_ints(mine), all_gather=_ints(gathered),
+                        all_reduce=_ints(reduced),
+                        rs_then_ag_equals_ar=torch.equal(gathered, reduced),  # AR = RS + AG
+                        ring_snapshots=[_ints(s) for s in snapshots],
+                        ring_equals_torch=torch.equal(ring, gathered))
 
 
 def bytes_experiment(group: dist.ProcessGroup, numel: int, device: torch.device
@@ -149,23 +173,20 @@ def timeline_experiment(group: dist.ProcessGroup | None, numel: int, device: tor
     return log
 
 
-def collectives_tour(bytes_numel: int = 12 * 1024, timeline_numel: int = 12 * 2**16) -> dict:
+def collectives_tour(bytes_numel: int = 12 * 1024, timeline_numel: int = 12 * 2**16
+                     ) -> CollectivesTour:
     """Everything notebook 02 measures, in one launch of 4 ranks.
 
-    Returns, for this rank: "seeds" (on ranks 0-2: the seeds' example and friends, see
-    `seeds_example`; None on rank 3), "bytes" ({k: the logs of `bytes_experiment` in the group
-    of ranks 0..k-1} for k = 2, 3, 4, for the k this rank belongs to) and "timeline" (the log of
-    `timeline_experiment` on all 4 ranks).
+    Returns this rank's CollectivesTour: the seeds' example and friends on ranks 0-2 (see
+    `seeds_example`), {k: the logs of `bytes_experiment` in the group of ranks 0..k-1} for
+    the k = 2, 3, 4 this rank belongs to, and the log of `timeline_experiment` on all 4 ranks.
     """
     ctx = zerolab.init_from_env()
     # Group creation is collective: every rank creates every group, in the same order.
     groups = {k: dist.new_group(list(range(k))) for k in (2, 3)}
     groups[ctx.world_size] = None  # the default group: every rank
-    out: dict = {"rank": ctx.rank, "seeds": None, "bytes": {}}
-    if ctx.rank < 3:
-        out["seeds"] = seeds_example(groups[3], ctx.device)
-    for k, group in groups.items():
-        if ctx.rank < k:
-            out["bytes"][k] = bytes_experiment(group, bytes_numel, ctx.device)
-    out["timeline"] = timeline_experiment(None, timeline_numel, ctx.device)
-    return out
+    seeds = seeds_example(groups[3], ctx.device) if ctx.rank < 3 else None
+    logs = {k: bytes_experiment(group, bytes_numel, ctx.device)
+            for k, group in groups.items() if ctx.rank < k}
+    timeline = timeline_experiment(None, timeline_numel, ctx.device)
+    return CollectivesTour(rank=ctx.rank, seeds=seeds, bytes=logs, timeline=timeline)

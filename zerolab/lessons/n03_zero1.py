@@ -5,86 +5,78 @@ at world sizes 1, 2 and 4 in one launch, it splits the 4 ranks into process grou
 consecutive ranks (notebook 00): for k = 2 that is two independent 2-rank jobs, {0, 1} and
 {2, 3}, training side by side. Each job sees the same global batch, cut into k slices, so every
 job at every k should end with the same model.
+
+Engines are named as in `zerolab.harness.ENGINES` ("ddp", "zero1", "zero1naive"; harness.label
+gives "DDP", "ZeRO-1", "ZeRO-1 naive"), and each step is the harness's.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import models
-from zerolab.comm import span
+from zerolab import harness, models
+from zerolab.comm import CommLog
 
-STAGES = {"DDP": zerolab.DDP, "ZeRO-1": zerolab.ZeRO1, "ZeRO-1 naive": zerolab.ZeRO1Naive}
+COMPARED = ("ddp", "zero1", "zero1naive")  # the engines compared, by their harness names
 GLOBAL_BATCH = 8  # sequences per step over the whole job; divides by 1, 2 and 4
 STEPS = 3
 LR = 1e-3
 
 
-def train(stage: str, group: dist.ProcessGroup, device: torch.device, steps: int = STEPS
-          ) -> dict:
-    """Train the tiny GPT (Ψ = 28,032) for `steps` steps with one stage, in `group`.
+@dataclass
+class StageRun:
+    """One engine's run on one rank of a job: what `train` returns."""
+
+    group: list[int]  # the global ranks of the job it ran in: k consecutive ranks
+    held: dict[str, int]  # {"params", "grads", "optimizer"} bytes after the last step()
+    log: CommLog  # the last step's collectives and its forward / backward / step spans
+    state: dict[str, torch.Tensor]  # full_state_dict() at the end (CPU)
+    layouts: list[tuple[int, int]]  # (numel, padded_numel) per bucket
+
+
+def train(engine_name: str, group: dist.ProcessGroup, device: torch.device, steps: int = STEPS
+          ) -> StageRun:
+    """Train the tiny GPT (Ψ = 28,032) for `steps` steps with one engine, in `group`.
 
     The ranks of a group start from different seeds, their rank in the group (the engine
     broadcasts group rank 0's weights, seed 0, so that every job starts from the same model).
-    Each rank of the group takes its slice of the same global batch. The last step is
-    recorded: its comm log (collectives and forward/backward/step spans) and the model-state
-    bytes after step().
-
-    Returns: "bytes" ({"params", "grads", "optimizer"} after the last step, before zero_grad),
-    "log" (CommLog of the last step), "state" (full_state_dict() at the end, CPU),
-    "layouts" ([(numel, padded_numel)] per bucket).
+    Each rank of the group takes its slice of the same global batch (harness.local_batch). The
+    last step is measured (harness.measured_step): its comm log and the model-state bytes
+    after step().
     """
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     model = models.GPT(models.GPTConfig(seed=rank)).to(device)
-    engine = STAGES[stage](model, torch.optim.AdamW, group=group, lr=LR)
-    per_rank = GLOBAL_BATCH // n
+    engine = harness.make_engine(engine_name, model, group=group, lr=LR)
 
-    def one_step(step: int) -> None:
-        x, y = model.make_batch(GLOBAL_BATCH, seed=step)  # (GLOBAL_BATCH, 16) tokens
-        x, y = (t[rank * per_rank:(rank + 1) * per_rank].to(device) for t in (x, y))
-        with span("forward"):
-            loss = model.loss(engine(x), y)
-        with span("backward"):
-            loss.backward()
-        with span("step"):
-            engine.step()
+    def batch(step: int) -> list[torch.Tensor]:
+        # x, y: (GLOBAL_BATCH / n, 16) tokens, this rank's rows of the step's global batch
+        rows = harness.local_batch(model.make_batch, GLOBAL_BATCH, seed=step, rank=rank,
+                                   world_size=n)
+        return [t.to(device) for t in rows]
 
     for step in range(steps - 1):
-        one_step(step)
+        harness.train_step(engine, *batch(step))
         engine.zero_grad()
-    with zerolab.record_comm(group) as log:  # the last step, recorded
-        one_step(steps - 1)
-    state_bytes = engine.model_state_bytes()  # after step(), before zero_grad()
-    engine.zero_grad()
-    return {
-        "bytes": state_bytes,
-        "log": log,
-        "state": {k: v.cpu() for k, v in engine.full_state_dict().items()},
-        "layouts": [(b.layout.numel, b.layout.padded_numel) for b in engine.buckets],
-    }
+    last = harness.measured_step(engine, *batch(steps - 1), memory=False)
+    return StageRun(group=dist.get_process_group_ranks(group), held=last.held, log=last.log,
+                    state={k: v.cpu() for k, v in engine.full_state_dict().items()},
+                    layouts=[(b.layout.numel, b.layout.padded_numel) for b in engine.buckets])
 
 
-def compare_stages(sizes: tuple[int, ...] = (1, 2, 4)) -> dict:
+def compare_stages(sizes: tuple[int, ...] = (1, 2, 4)) -> dict[int, dict[str, StageRun]]:
     """DDP, ZeRO-1 and naive ZeRO-1 at each group size k in `sizes` (k divides the world size).
 
-    Returns {k: {"group": the global ranks of this rank's group, "rank_in_group": .., stage:
-    `train(stage, ...)`'s dict for each stage}} for this rank.
+    Returns {k: {engine name: this rank's `train` run in its job of k ranks}}.
     """
     ctx = zerolab.init_from_env()
-    out: dict = {}
+    out = {}
     for k in sizes:
         # Group creation is collective: every rank creates every group of size k, in order.
         groups = [dist.new_group(list(range(s, s + k))) for s in range(0, ctx.world_size, k)]
         mine = groups[ctx.rank // k]
-        out[k] = {"group": dist.get_process_group_ranks(mine),
-                  "rank_in_group": dist.get_rank(mine)}
-        for stage in STAGES:
-            out[k][stage] = train(stage, mine, ctx.device)
+        out[k] = {name: train(name, mine, ctx.device) for name in COMPARED}
     return out
-
-
-def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest absolute difference between two state dicts with the same keys."""
-    return max((a[k] - b[k]).abs().max().item() for k in a)
