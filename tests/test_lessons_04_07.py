@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import zerolab
-from zerolab import theory
+from zerolab import harness, theory
 from zerolab.comm import CommEvent, CommLog, Span
 from zerolab.lessons import n04_zero2, n05_zero3, n06_fsdp2, n07_scaling
 from zerolab.models import GPT, GPTConfig, num_params
@@ -56,13 +56,13 @@ def test_zero2_at_rest_is_the_formula_plus_one_step_counter_per_bucket(at2):
     p = psi(GPT04)
     for r in at2:
         r04 = r["n04"]
-        assert r04["num_params"] == p and r04["full_grad_bytes"] == 4 * p
-        n_buckets = len(r04["zero2"]["bucket_bytes"])
+        assert r04.num_params == p and r04.full_grad_bytes == 4 * p
+        n_buckets = len(r04.runs["zero2"].bucket_bytes)
         assert n_buckets >= 3  # several buckets: the hooked peak is well below the full gradient
         for key in NAMES04:
             stage = "ZeRO-1" if key == "zero1" else "ZeRO-2"
-            formula = theory.model_state_memory(r04[key]["padded_numel"], N, stage)
-            held = r04[key]["at_rest"]
+            formula = theory.model_state_memory(r04.runs[key].padded_numel, N, stage)
+            held = r04.runs[key].step.held
             assert held["grads"] == formula.grads
             assert held["optimizer"] == formula.optimizer + 4 * n_buckets
             assert sum(held.values()) == formula.total + 4 * n_buckets
@@ -71,25 +71,26 @@ def test_zero2_at_rest_is_the_formula_plus_one_step_counter_per_bucket(at2):
 def test_zero2_peak_gradient_naive_holds_everything_hooked_one_bucket(at2):
     for r in at2:
         r04 = r["n04"]
-        full, shards = r04["full_grad_bytes"], r04["zero2"]["grad_shard_bytes"]
-        largest = max(r04["zero2"]["bucket_bytes"])
-        assert r04["zero1"]["max_by_category"]["grads"] == full
-        assert r04["zero2naive"]["max_by_category"]["grads"] == full + shards
-        hooked = r04["zero2"]["max_by_category"]["grads"]
+        full, shards = r04.full_grad_bytes, r04.runs["zero2"].grad_shard_bytes
+        largest = max(r04.runs["zero2"].bucket_bytes)
+        peaks = {k: run.step.memory.max_by_category["grads"] for k, run in r04.runs.items()}
+        assert peaks["zero1"] == full
+        assert peaks["zero2naive"] == full + shards
+        hooked = peaks["zero2"]
         assert shards < hooked <= shards + 2 * largest
         assert hooked < full
 
 
 def test_zero2_variants_take_the_same_step(at2):
     for r in at2:
-        assert len({r["n04"][k]["loss_after"] for k in NAMES04}) == 1
+        assert len({r["n04"].runs[k].loss_after for k in NAMES04}) == 1
 
 
 def test_zero2_reduce_scatters_during_backward_only_when_hooked(at2):
-    r04 = at2[0]["n04"]
-    n_buckets = len(r04["zero2"]["bucket_bytes"])
-    hooked = n04_zero2.ops_by_phase(r04["zero2"]["log"])
-    naive = n04_zero2.ops_by_phase(r04["zero2naive"]["log"])
+    runs = at2[0]["n04"].runs
+    n_buckets = len(runs["zero2"].bucket_bytes)
+    hooked = n04_zero2.ops_by_phase(runs["zero2"].step.log)
+    naive = n04_zero2.ops_by_phase(runs["zero2naive"].step.log)
     assert hooked["backward"] == {"reduce_scatter": n_buckets}
     assert hooked["step"] == {"all_gather": n_buckets}
     assert naive["backward"] == {}
@@ -97,14 +98,14 @@ def test_zero2_reduce_scatters_during_backward_only_when_hooked(at2):
 
 
 def test_zero2_sends_2psi_and_phases_are_on_the_trace_clock(at2):
-    r04 = at2[0]["n04"]
-    expected = theory.comm_volume(r04["zero2"]["padded_numel"], N, "ZeRO-2").ring_sent_bytes
+    runs = at2[0]["n04"].runs
+    expected = theory.comm_volume(runs["zero2"].padded_numel, N, "ZeRO-2").ring_sent_bytes
     for key in NAMES04:
-        assert r04[key]["log"].total_bytes() == expected
-        trace = r04[key]["trace"]
-        phases = r04[key]["phases"]
-        assert [name for name, _, _ in phases] == ["forward", "backward", "step"]
-        starts_ends = [t for _, a, b in phases for t in (a, b)]
+        assert runs[key].step.log.total_bytes() == expected
+        trace = runs[key].step.memory
+        phases = runs[key].step.phases()
+        assert [s.name for s in phases] == ["forward", "backward", "step"]
+        starts_ends = [t for s in phases for t in (s.start, s.end)]
         assert starts_ends == sorted(starts_ends)
         last_sample = trace.samples[-1][0] - trace.samples[0][0]
         assert 0 <= starts_ends[0] and starts_ends[-1] <= last_sample + 0.05
@@ -115,66 +116,67 @@ def test_zero2_sends_2psi_and_phases_are_on_the_trace_clock(at2):
 def test_zero3_at_rest_is_16psi_over_n_plus_step_counters(at2):
     p = psi(GPT05)
     for r in at2:
-        run = r["n05"]["no_prefetch"]
-        assert r["n05"]["num_params"] == p and run["full_param_bytes"] == 4 * p
-        n_units = len(run["unit_bytes"])
-        assert n_units == GPT05.n_layer + 1 and list(run["unit_bytes"])[-1] == "root"
-        formula = theory.model_state_memory(run["padded_numel"], N, "ZeRO-3")
-        assert run["shard_bytes"] == formula.params
-        assert sum(run["at_rest"].values()) == formula.total + 4 * n_units
+        run = r["n05"].no_prefetch
+        assert r["n05"].num_params == p and run.full_param_bytes == 4 * p
+        n_units = len(run.unit_bytes)
+        assert n_units == GPT05.n_layer + 1 and list(run.unit_bytes)[-1] == "root"
+        formula = theory.model_state_memory(run.padded_numel, N, "ZeRO-3")
+        assert run.shard_bytes == formula.params
+        assert sum(run.step.held.values()) == formula.total + 4 * n_units
 
 
 def test_zero3_parameter_peaks_stay_within_shards_plus_units(at2):
     for r in at2:
-        on, off = r["n05"]["prefetch"], r["n05"]["no_prefetch"]
-        shards, root = off["shard_bytes"], off["unit_bytes"]["root"]
-        block = max(b for name, b in off["unit_bytes"].items() if name != "root")
-        assert off["max_by_category"]["params"] == shards + root + block
-        assert shards + root + block <= on["max_by_category"]["params"] <= shards + root + 2 * block
-        assert on["max_by_category"]["params"] < on["full_param_bytes"]
-        assert r["n05"]["same_weights"]
+        on, off = r["n05"].prefetch, r["n05"].no_prefetch
+        shards, root = off.shard_bytes, off.unit_bytes["root"]
+        block = max(b for name, b in off.unit_bytes.items() if name != "root")
+        peak_on = on.step.memory.max_by_category["params"]
+        assert off.step.memory.max_by_category["params"] == shards + root + block
+        assert shards + root + block <= peak_on <= shards + root + 2 * block
+        assert peak_on < on.full_param_bytes
+        assert r["n05"].same_weights
 
 
 def test_zero3_gathers_twice_and_sends_3psi_against_zero2s_2psi(at2):
     r05 = at2[0]["n05"]
-    off = r05["no_prefetch"]
-    padded = off["padded_numel"]
+    off = r05.no_prefetch
+    padded = off.padded_numel
     one_pass = theory.ring_sent_bytes("all_gather", 4 * padded, N)
-    assert n05_zero3.bytes_by_phase(off["log"]) == {
+    assert n05_zero3.bytes_by_phase(off.step.log) == {
         "fwd all_gather": one_pass, "bwd all_gather": one_pass, "bwd reduce_scatter": one_pass}
-    assert off["log"].total_bytes() == theory.comm_volume(padded, N, "ZeRO-3").ring_sent_bytes
-    assert r05["zero2_log"].total_bytes() == theory.comm_volume(padded, N, "ZeRO-2").ring_sent_bytes
+    assert off.step.log.total_bytes() == theory.comm_volume(padded, N, "ZeRO-3").ring_sent_bytes
+    assert r05.zero2_log.total_bytes() == theory.comm_volume(padded, N, "ZeRO-2").ring_sent_bytes
     blocks = [f"blocks.{i}" for i in range(GPT05.n_layer)]
-    assert n05_zero3.gathers_by_phase(off["log"]) == {
+    assert n05_zero3.gathers_by_phase(off.step.log) == {
         "fwd": ["root", *blocks], "bwd": ["root", *reversed(blocks)]}
 
 
 def test_zero3_prefetch_issues_gathers_ahead_and_overlaps_compute(at2):
     for r in at2:
-        on, off = r["n05"]["prefetch"], r["n05"]["no_prefetch"]
-        assert n05_zero3.issued_ahead(on["log"]) == 2 * GPT05.n_layer
-        assert n05_zero3.issued_ahead(off["log"]) == 0
-        assert n05_zero3.overlapped_gathers(on["timeline_log"]) == GPT05.n_layer - 1
-        assert n05_zero3.overlapped_gathers(off["timeline_log"]) == 0
-        window = n05_zero3.forward_window(on["timeline_log"])
+        on, off = r["n05"].prefetch, r["n05"].no_prefetch
+        assert n05_zero3.issued_ahead(on.step.log) == 2 * GPT05.n_layer
+        assert n05_zero3.issued_ahead(off.step.log) == 0
+        assert n05_zero3.overlapped_gathers(on.timeline) == GPT05.n_layer - 1
+        assert n05_zero3.overlapped_gathers(off.timeline) == 0
+        window = n05_zero3.forward_window(on.timeline)
         assert len(window.spans) == GPT05.n_layer  # one compute span per block
         assert all("/fwd/" in e.tag for e in window.events) and window.events
 
 
 # ---- 06: FSDP2 and ZeroRedundancyOptimizer -----------------------------------------------------
 
-STAGE_OF = {"zerolab DDP": "DDP", "zerolab ZeRO-1": "ZeRO-1", "zerolab ZeRO-2": "ZeRO-2",
-            "zerolab ZeRO-3": "ZeRO-3", "torch DDP": "DDP",
-            "torch DDP + ZeroRedundancyOptimizer": "ZeRO-1",
-            "torch FSDP2 (fully_shard)": "ZeRO-3"}
+STAGE_OF = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
+            "torch_ddp": "DDP", "torch_ddp_zero": "ZeRO-1", "torch_fsdp2": "ZeRO-3"}
 
 
 def test_every_variant_ends_bitwise_equal_to_torch_ddp(at2):
     for r in at2:
-        reference = r["n06"]["torch DDP"]["full"]
+        variants = r["n06"].variants
+        assert tuple(variants) == tuple(STAGE_OF) == n06_fsdp2.VARIANTS
+        reference = variants["torch_ddp"].full
         for name in STAGE_OF:
-            full = r["n06"][name]["full"]
-            assert set(reference) <= set(full), name  # a state_dict also names the tied head
+            full = variants[name].full
+            assert set(reference) == set(full), name  # state_dicts: the tied head is named too
             assert all(torch.equal(full[k], reference[k]) for k in reference), name
 
 
@@ -183,39 +185,52 @@ def test_model_states_match_the_formulas_within_step_counters(at2):
     tensors = len(list(GPT(GPT06).parameters()))
     for r in at2:
         r06 = r["n06"]
-        assert r06["num_params"] == p
+        assert r06.num_params == p
         for name, stage in STAGE_OF.items():
-            held = sum(r06[name]["bytes"].values())
+            held = sum(r06.variants[name].held.values())
             extra = held - theory.model_state_memory(p, N, stage).total
             assert 0 < extra <= 4 * tensors, (name, extra)  # AdamW's 4-byte step counters
-        zero_ro = r06["torch DDP + ZeroRedundancyOptimizer"]
-        assert zero_ro["bytes"]["optimizer"] == 8 * zero_ro["owned"]["numel"] + 4 * zero_ro[
-            "owned"]["tensors"]
-    owned = [r["n06"]["torch DDP + ZeroRedundancyOptimizer"]["owned"] for r in at2]
+        zero_ro = r06.variants["torch_ddp_zero"]
+        assert zero_ro.held["optimizer"] == 8 * zero_ro.owned["numel"] + 4 * zero_ro.owned[
+            "tensors"]
+    owned = [r["n06"].variants["torch_ddp_zero"].owned for r in at2]
     assert sum(o["numel"] for o in owned) == p and sum(o["tensors"] for o in owned) == tensors
 
 
 def test_collectives_counted_and_recorded(at2):
-    r06 = at2[0]["n06"]
-    tensors = len(list(GPT(GPT06).parameters()))
+    variants = at2[0]["n06"].variants
     units = GPT06.n_layer + 1
-    assert r06["torch DDP"]["collectives"] == {"c10d.allreduce_": 1}
-    assert r06["torch DDP + ZeroRedundancyOptimizer"]["collectives"] == {
-        "c10d.allreduce_": 1, "c10d.broadcast_": tensors}
+    assert variants["torch_ddp"].calls == {"all_reduce": 1}
+    # parameters_as_bucket_view=True: each rank broadcasts the parameters it owns as one bucket.
+    assert variants["torch_ddp_zero"].calls == {"all_reduce": 1, "broadcast": N}
     # FSDP2 keeps the root gathered from forward into backward: units + blocks all-gathers.
-    assert r06["torch FSDP2 (fully_shard)"]["collectives"] == {
-        "c10d._allgather_base_": units + GPT06.n_layer, "c10d._reduce_scatter_base_": units}
-    for name in n06_fsdp2.ZEROLAB:
+    assert variants["torch_fsdp2"].calls == {"all_gather": units + GPT06.n_layer,
+                                             "reduce_scatter": units}
+    for name in harness.ZEROLAB_ENGINES:
         expected = theory.comm_volume(psi(GPT06), N, STAGE_OF[name]).ring_sent_bytes
-        assert sum(r06[name]["comm"].values()) == expected, name
-    shapes = r06["torch FSDP2 (fully_shard)"]["shapes"]
+        assert sum(variants[name].sent.values()) == expected, name
+    shapes = variants["torch_fsdp2"].shapes
     assert shapes["wte.weight"] == ((GPT06.vocab_size, GPT06.n_embd),
                                     (GPT06.vocab_size // N, GPT06.n_embd))
 
 
+def test_torch_traffic_counted_is_the_ring_formula(at2):
+    p = psi(GPT06)
+    model = GPT(GPT06)
+    root = sum(q.numel() for n, q in model.named_parameters() if not n.startswith("blocks."))
+    all_reduce = theory.ring_sent_bytes("all_reduce", 4 * p, N)
+    for r in at2:
+        variants = r["n06"].variants
+        assert variants["torch_ddp"].sent == {"all_reduce": all_reduce}
+        zero_ro = variants["torch_ddp_zero"]  # at N = 2 the owner sends its bucket, once
+        assert zero_ro.sent == {"all_reduce": all_reduce, "broadcast": 4 * zero_ro.owned["numel"]}
+        fsdp2 = sum(variants["torch_fsdp2"].sent.values())  # the root is gathered once
+        assert fsdp2 == theory.ring_sent_bytes("all_gather", 4 * (3 * p - root), N)
+
+
 def test_step_times_are_recorded(at2):
     for name in STAGE_OF:
-        times = at2[0]["n06"][name]["times"]
+        times = at2[0]["n06"].variants[name].times
         assert len(times) == STEPS06 and all(t > 0 for t in times)
         assert n06_fsdp2.median_ms(times) > 0
 
@@ -228,12 +243,13 @@ def test_scaling_runs_match_the_formulas_at_each_world_size(at2):
     for n in (1, 2):
         for r in at2[:n]:
             run = r["n07"][n]
-            assert run["world_size"] == n and run["num_params"] == p
+            assert run.world_size == n and run.num_params == p
+            assert tuple(run.stages) == n07_scaling.STAGES == ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
             for stage in n07_scaling.STAGES:
-                held = sum(run[stage]["bytes"].values())
+                held = sum(run.stages[stage].held.values())
                 formula = theory.model_state_memory(p, n, stage).total
                 assert 0 <= held - formula < 1e-3 * formula, (n, stage)
-                assert run[stage]["sent"] == theory.comm_volume(p, n, stage).ring_sent_bytes
+                assert run.stages[stage].sent == theory.comm_volume(p, n, stage).ring_sent_bytes
 
 
 # ---- helpers on hand-made logs (no ranks) -------------------------------------------------------
@@ -287,5 +303,5 @@ def test_run_torchrun_builds_the_command_and_reads_the_losses(monkeypatch):
     assert seen["argv"][:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert seen["argv"][3:11] == ["--standalone", "--nproc-per-node", "2", "-m", "zerolab.train",
                                   "--strategy", "zero2", "--steps"]
-    assert run["command"].startswith("torchrun --standalone --nproc-per-node 2 -m zerolab.train")
-    assert run["returncode"] == 0 and run["losses"] == [4.0, 3.5, 3.0] and run["output"] == "ok\n"
+    assert run.command.startswith("torchrun --standalone --nproc-per-node 2 -m zerolab.train")
+    assert run.returncode == 0 and run.losses == [4.0, 3.5, 3.0] and run.output == "ok\n"

@@ -4,25 +4,25 @@
 
 - trains a small GPT with ZeRO-3, prefetch on and then off; for each, one step under the memory
   tracker (live bytes by category: the parameter sawtooth) and one step with the comm recorder
-  only (a timeline not slowed down by the tracker);
+  only (a timeline not slowed down by the tracker, with a "forward" span per block);
 - trains the same model with ZeRO-2 for one step, to compare the bytes sent: 3Ψ against 2Ψ.
 
-It returns plain data (dicts, `MemoryTrace`s, `CommLog`s); the notebook draws it with
-`zerolab.plots`.
+Every step is `harness.measured_step`. It returns a `Zero3Lesson` (`MemoryTrace`s and
+`CommLog`s inside); the notebook draws it with `zerolab.plots`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-import zerolab
-from zerolab.comm import Span, span
-from zerolab.lessons.n04_zero2 import local_batch, measured_step
+from zerolab import harness
+from zerolab.comm import CommLog
+from zerolab.harness import MeasuredStep
 from zerolab.models import GPT, GPTConfig, num_params
 
 # 8 blocks of hidden size 64: 405,120 parameters (1.62 MB in fp32). One block is 199,936 bytes,
@@ -30,111 +30,85 @@ from zerolab.models import GPT, GPTConfig, num_params
 # stay well below the full model.
 MODEL = GPTConfig(n_layer=8, n_embd=64, n_head=4)
 LR = 1e-3
+BATCH_PER_RANK = 2  # sequences per rank in the tracked step
 TIMELINE_BATCH_PER_RANK = 32  # sequences per rank in the step drawn on the timeline
 
 
-def unit_facts(engine: zerolab.ZeRO3) -> dict[str, Any]:
-    """Each unit's gathered size and this rank's shards, in bytes (fp32)."""
-    units = {u.name: sum(4 * b.layout.padded_numel for b in u.buckets) for u in engine.units}
-    return {
-        "unit_bytes": units,  # {"blocks.0": .., ..., "root": ..}, in the order they are listed
-        "shard_bytes": sum(b.local_shard.numel() * 4 for u in engine.units for b in u.buckets),
-        "padded_numel": sum(b.layout.padded_numel for u in engine.units for b in u.buckets),
-    }
+@dataclass
+class Zero3Run:
+    """ZeRO-3 (prefetch on or off) on one rank: two measured steps and the units' sizes."""
+
+    step: MeasuredStep  # under the memory tracker: .held (at rest), .memory, .log, .phases()
+    timeline: CommLog  # a step with no tracker, a bigger batch and a "forward" span per block
+    unit_bytes: dict[str, int]  # each unit's gathered size: {"blocks.0": .., ..., "root": ..}
+    shard_bytes: int  # this rank's parameter shards, all units together
+    padded_numel: int  # elements in all units, padding included: the Ψ the formulas see
+    full_param_bytes: int  # 4Ψ: the whole model, as it was before sharding
 
 
-def timed_step(engine: Any, model: GPT, x: torch.Tensor, y: torch.Tensor,
-               per_block: bool = False) -> zerolab.CommLog:
-    """One step with the comm recorder and compute spans, no memory tracker.
+@dataclass
+class Zero3Lesson:
+    """Everything notebook 05 measures, on one rank."""
 
-    per_block=False: one span each for forward, backward and step. per_block=True: the forward
-    is shown block by block instead (a "forward" span per block, from the block's first op to
-    its last, after ZeRO-3's pre-forward hook has gathered it), so that the timeline shows
-    where compute waits for an all-gather.
-    """
-    with zerolab.record_comm() as log:
-        handles = watch_blocks(model.blocks, log) if per_block else []
-        with contextlib.ExitStack() as stack:
-            if not per_block:
-                stack.enter_context(span("forward"))
-            loss = model.loss(engine(x), y)
-        for h in handles:
-            h.remove()
-        with span("backward"):
-            loss.backward()
-        with span("step"):
-            engine.step()
+    num_params: int  # Ψ
+    prefetch: Zero3Run  # ZeRO-3 with prefetch (the default)
+    no_prefetch: Zero3Run  # the same, each unit gathered only when it is needed
+    zero2_log: CommLog  # ZeRO-2's comm log for one step of the same model: its 2Ψ
+    same_weights: bool  # prefetch on and off ended with bitwise equal weights
+
+
+def batch(model: GPT, step: int, per_rank: int = BATCH_PER_RANK) -> tuple[torch.Tensor, ...]:
+    """This rank's rows of step `step`'s global batch (per_rank * N sequences, seed 100 + step)."""
+    n = dist.get_world_size()
+    return harness.local_batch(model.make_batch, per_rank * n, 100 + step, dist.get_rank(), n)
+
+
+def trained_one_step(name: str, model: GPT, **kwargs: Any) -> Any:
+    """Engine `name` on `model`, after one unmeasured step (which creates Adam's state)."""
+    engine = harness.make_engine(name, model, torch.optim.AdamW, lr=LR, **kwargs)
+    harness.train_step(engine, *batch(model, 0))
     engine.zero_grad()
-    return log
+    return engine
 
 
-def watch_blocks(blocks: torch.nn.ModuleList, log: zerolab.CommLog) -> list[Any]:
-    """Forward hooks that add a "forward" span to `log` for each block's own compute.
-
-    Registered after the engine's hooks, so they run after ZeRO-3 has gathered the block
-    (pre-hooks run in registration order) and after it has freed it (post-hooks too).
-    """
-    starts: dict[torch.nn.Module, float] = {}
-
-    def before(module: torch.nn.Module, args: Any) -> None:
-        starts[module] = log.now()
-
-    def after(module: torch.nn.Module, args: Any, output: Any) -> None:
-        log.spans.append(Span("forward", starts.pop(module), log.now()))
-
-    return [h for b in blocks
-            for h in (b.register_forward_pre_hook(before), b.register_forward_hook(after))]
-
-
-def zero3_run(prefetch: bool, config: GPTConfig = MODEL) -> dict[str, Any]:
-    """ZeRO-3 on this rank: warm-up step, a tracked step, then a recorded step (see module)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+def zero3_run(prefetch: bool, config: GPTConfig = MODEL
+              ) -> tuple[Zero3Run, dict[str, torch.Tensor]]:
+    """ZeRO-3 on this rank: warm-up, a tracked step, a timeline step. Also the final weights."""
     model = GPT(config)
     full_param_bytes = 4 * num_params(model)  # before sharding: afterwards .data are empty
-    engine = zerolab.ZeRO3(model, torch.optim.AdamW, prefetch=prefetch, lr=LR)
-    x, y = local_batch(model, 0, rank, world_size)
-    model.loss(engine(x), y).backward()
-    engine.step()
-    engine.zero_grad()
-    tracked = measured_step(engine, model, *local_batch(model, 1, rank, world_size))
+    engine = trained_one_step("zero3", model, prefetch=prefetch)
+    tracked = harness.measured_step(engine, *batch(model, 1))
     # A bigger batch for the timeline, so that a block computes about as long as it gathers.
-    x, y = local_batch(model, 2, rank, world_size, per_rank=TIMELINE_BATCH_PER_RANK)
-    log = timed_step(engine, model, x, y, per_block=True)
-    trace = tracked["trace"]
-    return {**tracked, **unit_facts(engine), "timeline_log": log,
-            "max_by_category": trace.max_by_category, "peak": trace.peak_bytes,
-            "full_param_bytes": full_param_bytes,
-            "state": {k: v.clone() for k, v in engine.full_state_dict().items()}}
+    # Spans per block, not one for the forward: they show where compute waits for a gather.
+    x, y = batch(model, 2, per_rank=TIMELINE_BATCH_PER_RANK)
+    timeline = harness.measured_step(engine, x, y, memory=False, forward_spans=model.blocks)
+    buckets = [b for u in engine.units for b in u.buckets]  # a flat bucket per unit, root last
+    run = Zero3Run(tracked, timeline.log,
+                   unit_bytes={u.name: sum(4 * b.layout.padded_numel for b in u.buckets)
+                               for u in engine.units},
+                   shard_bytes=sum(4 * b.local_shard.numel() for b in buckets),
+                   padded_numel=sum(b.layout.padded_numel for b in buckets),
+                   full_param_bytes=full_param_bytes)
+    return run, engine.full_state_dict()
 
 
-def zero2_comm(config: GPTConfig = MODEL) -> zerolab.CommLog:
+def zero2_log(config: GPTConfig = MODEL) -> CommLog:
     """ZeRO-2 on the same model and batches: the log of one recorded step (after a warm-up)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
     model = GPT(config)
-    engine = zerolab.ZeRO2(model, torch.optim.AdamW, lr=LR)
-    x, y = local_batch(model, 0, rank, world_size)
-    model.loss(engine(x), y).backward()
-    engine.step()
-    engine.zero_grad()
-    return timed_step(engine, model, *local_batch(model, 1, rank, world_size))
+    engine = trained_one_step("zero2", model)
+    return harness.measured_step(engine, *batch(model, 1), memory=False).log
 
 
-def zero3_lesson(config: GPTConfig = MODEL) -> dict[str, Any]:
-    """Everything notebook 05 measures, on this rank.
-
-    Returns {"num_params": Ψ, "prefetch": zero3_run(True), "no_prefetch": zero3_run(False),
-    "zero2_log": CommLog, "same_weights": bool (prefetch on and off end with equal weights)}.
-    """
-    with_prefetch = zero3_run(True, config)
-    without = zero3_run(False, config)
-    same = all(torch.equal(v, without["state"][k]) for k, v in with_prefetch["state"].items())
-    for run in (with_prefetch, without):
-        del run["state"]  # compared here; no need to send it back
-    return {"num_params": num_params(GPT(config)), "prefetch": with_prefetch,
-            "no_prefetch": without, "zero2_log": zero2_comm(config), "same_weights": same}
+def zero3_lesson(config: GPTConfig = MODEL) -> Zero3Lesson:
+    """Everything notebook 05 measures, on this rank (see the module docstring)."""
+    with_prefetch, weights_on = zero3_run(True, config)
+    without, weights_off = zero3_run(False, config)
+    return Zero3Lesson(num_params=num_params(GPT(config)), prefetch=with_prefetch,
+                       no_prefetch=without, zero2_log=zero2_log(config),
+                       same_weights=harness.max_diff(weights_on, weights_off) == 0.0)
 
 
-def gathers_by_phase(log: zerolab.CommLog) -> dict[str, list[str]]:
+def gathers_by_phase(log: CommLog) -> dict[str, list[str]]:
     """The units all-gathered in each phase, in issue order: {"fwd": [...], "bwd": [...]}."""
     out: dict[str, list[str]] = {}
     for e in log.events:
@@ -144,7 +118,7 @@ def gathers_by_phase(log: zerolab.CommLog) -> dict[str, list[str]]:
     return out
 
 
-def issued_ahead(log: zerolab.CommLog) -> int:
+def issued_ahead(log: CommLog) -> int:
     """All-gathers issued asynchronously, one unit ahead of the unit that needs them.
 
     Without prefetch every gather is issued when its unit starts and waited for at once: 0.
@@ -154,14 +128,14 @@ def issued_ahead(log: zerolab.CommLog) -> int:
     return sum(1 for e in log.events if e.op == "all_gather" and e.async_op)
 
 
-def forward_window(log: zerolab.CommLog) -> zerolab.CommLog:
+def forward_window(log: CommLog) -> CommLog:
     """A copy of `log` with the forward only: its all-gathers and its "forward" spans."""
     return dataclasses.replace(
         log, events=[e for e in log.events if "/fwd/" in e.tag],
         spans=[s for s in log.spans if s.name == "forward"])
 
 
-def bytes_by_phase(log: zerolab.CommLog) -> dict[str, int]:
+def bytes_by_phase(log: CommLog) -> dict[str, int]:
     """Bytes this rank sent, by phase and op: {"fwd all_gather": .., "bwd reduce_scatter": ..}.
 
     The phase is the middle part of the tag ("zero3/bwd/blocks.2" -> "bwd"): zerolab tags every
@@ -174,13 +148,13 @@ def bytes_by_phase(log: zerolab.CommLog) -> dict[str, int]:
     return out
 
 
-def overlapped_gathers(log: zerolab.CommLog) -> int:
+def overlapped_gathers(log: CommLog) -> int:
     """Forward all-gathers of blocks.k that were in flight while blocks.k-1 computed.
 
-    Needs a log from `timed_step(..., per_block=True)`: its "forward" spans are the blocks'
-    compute, in order. Counts k >= 1 where the gather of blocks.k was issued before block k-1
-    began computing and completed after it ended. With prefetch: every block but the first;
-    without: none (each gather is issued only when its own block is about to run).
+    Needs a log from `measured_step(..., forward_spans=model.blocks)`: its "forward" spans are
+    the blocks' compute, in order. Counts k >= 1 where the gather of blocks.k was issued before
+    block k-1 began computing and completed after it ended. With prefetch: every block but the
+    first; without: none (each gather is issued only when its own block is about to run).
     """
     gathers = {e.tag.rsplit("/", 1)[-1]: e for e in log.events
                if e.op == "all_gather" and "/fwd/blocks." in e.tag}

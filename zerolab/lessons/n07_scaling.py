@@ -3,11 +3,12 @@
 `states_and_traffic` trains the same GPT for two steps with each stage (DDP, ZeRO-1, ZeRO-2,
 ZeRO-3) on the N ranks of a process group. It returns, per stage, the model-state bytes this
 rank holds after the second step (measured from the live tensors) and the bytes it sent
-during that step (recorded by zerolab.comm). `scaling_runs` does that for N = 1, 2 and 4 in
-one launch of 4 ranks; the notebook puts the measurements beside `zerolab.theory`'s formulas.
+during that step (recorded by zerolab.comm): a `harness.measured_step`. `scaling_runs` does
+that for N = 1, 2 and 4 in one launch of 4 ranks; the notebook puts the measurements beside
+`zerolab.theory`'s formulas.
 
-`run_torchrun` runs `python -m zerolab.train` under torchrun in a subprocess and returns its
-exit code, its output and the losses it wrote.
+`run_torchrun` runs `python -m zerolab.train` under torchrun in a subprocess and returns a
+`TorchrunResult`: its exit code, its output and the losses it wrote.
 """
 
 from __future__ import annotations
@@ -17,56 +18,71 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
-import zerolab
+from zerolab import harness
 from zerolab.models import GPT, GPTConfig, num_params
 
-# 2 blocks of hidden size 64: 105,088 parameters, 0.42 MB in fp32.
+# 2 blocks of hidden size 64: 105,216 parameters, 0.42 MB in fp32.
 MODEL = GPTConfig(n_layer=2, n_embd=64, n_head=4)
 GLOBAL_BATCH = 8  # sequences per step, split over the ranks (N = 1, 2, 4 all divide it)
 LR = 1e-3
-
-STAGES: dict[str, type[zerolab.DDP]] = {
-    "DDP": zerolab.DDP, "ZeRO-1": zerolab.ZeRO1, "ZeRO-2": zerolab.ZeRO2, "ZeRO-3": zerolab.ZeRO3,
-}
+# The four stages the course builds; their labels ("DDP", "ZeRO-1", ...) are theory's stages.
+STAGES = tuple(harness.label(name) for name in harness.ZEROLAB_ENGINES)
 
 
-def local_batch(model: GPT, step: int, rank: int, world_size: int) -> tuple[torch.Tensor, ...]:
-    """This rank's rows of the step's global batch of GLOBAL_BATCH sequences."""
-    x, y = model.make_batch(GLOBAL_BATCH, seed=100 + step)
-    per_rank = GLOBAL_BATCH // world_size
-    rows = slice(rank * per_rank, (rank + 1) * per_rank)
-    return x[rows], y[rows]
+@dataclass
+class StageMeasure:
+    """One stage's second step on one rank."""
+
+    held: dict[str, int]  # model-state bytes after step(), before zero_grad(), by category
+    sent: int  # ring-model bytes this rank sent in the step
 
 
-def states_and_traffic(group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-    """Per stage, on this rank: {"bytes": {params, grads, optimizer}, "sent": bytes per step}.
+@dataclass
+class ScalingRun:
+    """Every stage trained by one process group of N ranks, seen from one of its ranks."""
 
-    Also "num_params" (Ψ) and "world_size" (of `group`: the ranks that train together; None,
-    the whole job). The first step creates Adam's state; the second is measured.
+    num_params: int  # Ψ
+    world_size: int  # N: the ranks of the group that trained together
+    stages: dict[str, StageMeasure]  # by stage label, in STAGES' order: "DDP", "ZeRO-1", ...
+
+
+@dataclass
+class TorchrunResult:
+    """A `torchrun ... -m zerolab.train` run, in a subprocess."""
+
+    command: str  # the command line as a learner would type it
+    returncode: int  # the subprocess's exit status
+    losses: list[float]  # one per step, from train's --json summary (empty if none was written)
+    output: str  # stdout + stderr
+
+
+def states_and_traffic(group: dist.ProcessGroup | None = None) -> ScalingRun:
+    """Each stage, on this rank of `group` (None: the whole job): two steps, the second measured.
+
+    The first step creates Adam's state. Every rank takes its rows of the same global batch of
+    GLOBAL_BATCH sequences, so every N computes the same steps.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    out: dict[str, Any] = {"num_params": num_params(GPT(MODEL)), "world_size": world_size}
-    for name, engine_cls in STAGES.items():
+    stages = {}
+    for name in harness.ZEROLAB_ENGINES:
         model = GPT(MODEL)
-        engine = engine_cls(model, torch.optim.AdamW, group=group, lr=LR)
-        for step in range(2):
-            x, y = local_batch(model, step, rank, world_size)
-            with zerolab.record_comm(group) as log:
-                model.loss(engine(x), y).backward()
-                engine.step()
-            held = engine.model_state_bytes()  # after step, before zero_grad
-            engine.zero_grad()
-        out[name] = {"bytes": held, "sent": log.total_bytes()}
-    return out
+        engine = harness.make_engine(name, model, torch.optim.AdamW, group=group, lr=LR)
+        x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 100, rank, world_size)
+        harness.train_step(engine, x, y)
+        engine.zero_grad()
+        x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 101, rank, world_size)
+        measured = harness.measured_step(engine, x, y, memory=False)
+        stages[harness.label(name)] = StageMeasure(measured.held, measured.log.total_bytes())
+    return ScalingRun(num_params(GPT(MODEL)), world_size, stages)
 
 
-def scaling_runs(sizes: tuple[int, ...] = (1, 2, 4)) -> dict[int, dict[str, Any] | None]:
+def scaling_runs(sizes: tuple[int, ...] = (1, 2, 4)) -> dict[int, ScalingRun | None]:
     """`states_and_traffic` at several world sizes, in one launch of max(sizes) ranks.
 
     For each N, ranks 0..N-1 form a process group of their own (`dist.new_group`) and train
@@ -75,7 +91,7 @@ def scaling_runs(sizes: tuple[int, ...] = (1, 2, 4)) -> dict[int, dict[str, Any]
     Returns {N: this rank's results at N, or None where this rank was not in the group}.
     """
     rank = dist.get_rank()
-    out: dict[int, dict[str, Any] | None] = {}
+    out: dict[int, ScalingRun | None] = {}
     for n in sizes:
         group = dist.new_group(list(range(n)))  # every rank of the job must call new_group
         out[n] = states_and_traffic(group) if rank < n else None
@@ -84,13 +100,11 @@ def scaling_runs(sizes: tuple[int, ...] = (1, 2, 4)) -> dict[int, dict[str, Any]
 
 
 def run_torchrun(nproc: int = 2, strategy: str = "zero3", steps: int = 5,
-                 timeout: float = 300.0) -> dict[str, Any]:
+                 timeout: float = 300.0) -> TorchrunResult:
     """`torchrun --standalone --nproc-per-node nproc -m zerolab.train ...`, in a subprocess.
 
     Uses `python -m torch.distributed.run` (what the `torchrun` command runs) with this
-    interpreter, so it works without the venv's bin/ on PATH. Returns {"command": the command
-    line as a learner would type it, "returncode": int, "losses": [float] (from --json),
-    "output": stdout + stderr}.
+    interpreter, so it works without the venv's bin/ on PATH.
     """
     args = ["--standalone", "--nproc-per-node", str(nproc), "-m", "zerolab.train",
             "--strategy", strategy, "--steps", str(steps), "--no-progress"]
@@ -101,5 +115,5 @@ def run_torchrun(nproc: int = 2, strategy: str = "zero3", steps: int = 5,
             capture_output=True, text=True, timeout=timeout,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
         losses = json.loads(summary.read_text())["losses"] if summary.exists() else []
-    return {"command": " ".join(["torchrun", *args]), "returncode": proc.returncode,
-            "losses": losses, "output": proc.stdout + proc.stderr}
+    return TorchrunResult(" ".join(["torchrun", *args]), proc.returncode, losses,
+                          proc.stdout + proc.stderr)
