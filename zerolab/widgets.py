@@ -21,6 +21,7 @@ import base64
 import html
 import io
 from dataclasses import dataclass
+from typing import Any
 
 import ipywidgets as ipw
 from matplotlib.figure import Figure
@@ -183,17 +184,10 @@ def _figure_html(calc: Calculation) -> str:
     return f'<img src="data:image/png;base64,{data}" alt="model-state memory per stage"/>'
 
 
-def calculator_static(
-    model: str | float = "7B",
-    world_size: int = 8,
-    stage: str = "ZeRO-3",
-    precision: str = "fp32",
-    optimizer: str = "adam",
-    fp32_grad_accum: bool = False,
-) -> Calculation:
-    """The calculator without widgets: returns the `Calculation`, which displays as the table
-    and the figure (useful in exported notebooks and for pinned numbers)."""
-    return calculate(model, world_size, stage, precision, optimizer, fp32_grad_accum)
+def calculator_static(model: str | float = "7B", **settings: Any) -> Calculation:
+    """The calculator without widgets: `calculate(model, **settings)`, which displays as the
+    table and the figure (useful in exported notebooks and for pinned numbers)."""
+    return calculate(model, **settings)
 
 
 class Calculator(ipw.VBox):
