@@ -1,18 +1,20 @@
 """The table of exercises, gathered from each notebook's cases module, and `select`, which
 finds exercises by file, id or function name.
 
-A new exercise goes in its notebook's cases_NN module (a new notebook: a new module, listed
-here, in order).
+A new exercise goes in its notebook's cases_NN module; a new notebook's module is found by
+its name (cases_08.py, ...), in notebook order.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
+from pathlib import Path
 
-from zerolab.grading import cases_01, cases_02, cases_03, cases_04, cases_05, cases_06, cases_07
 from zerolab.grading.exercise import Exercise
 
-_NOTEBOOKS = (cases_01, cases_02, cases_03, cases_04, cases_05, cases_06, cases_07)
+_NOTEBOOKS = [importlib.import_module(f"zerolab.grading.{path.stem}")
+              for path in sorted(Path(__file__).parent.glob("cases_[0-9][0-9].py"))]
 
 EXERCISES: dict[str, Exercise] = {ex.id: ex for notebook in _NOTEBOOKS
                                   for ex in notebook.EXERCISES}
@@ -32,7 +34,8 @@ def select(names: Sequence[str] | str | None = None) -> list[Exercise]:
                             ex.notebook.lstrip("0"))]
         if not found:
             files = sorted({ex.module for ex in EXERCISES.values()})
+            first, last = next(iter(EXERCISES)), list(EXERCISES)[-1]
             raise ValueError(f"no exercise called {name!r}: name a file ({', '.join(files)}), "
-                             f"an exercise id (1.1 to 7.2) or a function")
+                             f"an exercise id ({first} to {last}) or a function")
         chosen += [ex for ex in found if ex not in chosen]
     return chosen
