@@ -5,15 +5,17 @@ Each worker does as much as it can in one launch, because starting ranks costs s
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import harness, models
+from zerolab import checkpoint, harness, models
 
 # The strategies under test, by the harness's names (harness.engine_class(name) builds each).
 STRATEGIES = {name: harness.engine_class(name) for name in
-              ("ddp", "zero1", "zero1naive", "zero2", "zero2naive", "zero3")}
+              ("ddp", "zero1", "zero1after", "zero1naive", "zero2", "zero2naive", "zero3")}
 STEPS = 5
 GLOBAL_BATCH = 12  # divides by 1, 2, 3 and 4
 LR = 1e-2
@@ -164,3 +166,38 @@ def peaks() -> dict:
         "zero3": peak_memory("gpt8", "zero3", {"prefetch": True}),
         "zero3_no_prefetch": peak_memory("gpt8", "zero3", {"prefetch": False}),
     }
+
+
+def _trained(strategy: str, prefetch: bool, log=None):
+    """GPT with four blocks, small buckets, STEPS steps; returns the engine right after step()."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = build_model("gpt4")
+    engine = STRATEGIES[strategy](model, torch.optim.AdamW, lr=LR, prefetch=prefetch,
+                                  bucket_bytes=SMALL_BUCKETS)
+    for i, (x, y) in enumerate(batches(model, rank, world_size)):
+        harness.train_step(engine, x, y)
+        if i < STEPS - 1:
+            engine.zero_grad()
+    return engine
+
+
+def prefetched_params(strategies: list[str], folder: str) -> dict:
+    """ZeRO-1/2 gather the parameters asynchronously at the end of step(): a state-dict read, a
+    checkpoint save, or no forward at all must still see (or leave) the gathered values."""
+    out = {}
+    for strategy in strategies:
+        reader = _trained(strategy, prefetch=True)
+        pending_before_read = len(reader._param_gathers)
+        read = reader.full_state_dict()
+        saver = _trained(strategy, prefetch=True)
+        pending_before_save = len(saver._param_gathers)
+        checkpoint.save(saver, os.path.join(folder, strategy))
+        _trained(strategy, prefetch=True)  # and one left with its gathers in flight: no hang
+        with zerolab.record_comm() as log:
+            _trained(strategy, prefetch=True).wait_params()
+        out[strategy] = {
+            "pending_before_read": pending_before_read, "read": read,
+            "pending_before_save": pending_before_save,
+            "saved": checkpoint.consolidate(os.path.join(folder, strategy))["model"],
+            "no_prefetch": _trained(strategy, prefetch=False).full_state_dict(), "log": log}
+    return out

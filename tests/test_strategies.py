@@ -96,7 +96,7 @@ def expected_state_bytes(strategy: str, res: dict, model) -> dict[str, int]:
                 "optimizer": 8 * psi_train + 4 * n_train}
     sharded_opt = 8 * padded // n + 4 * n_buckets
     full_params = 4 * padded + 4 * (psi_all - psi_train)  # frozen params stay as they were
-    if strategy in ("zero1", "zero1naive"):
+    if strategy in ("zero1", "zero1after", "zero1naive"):
         return {"params": full_params, "grads": 4 * padded, "optimizer": sharded_opt}
     if strategy in ("zero2", "zero2naive"):
         return {"params": full_params, "grads": 4 * padded // n, "optimizer": sharded_opt}
@@ -118,6 +118,7 @@ def test_model_state_bytes_exact(runs):
 FORMULAS = {  # fp32 Adam, bytes per rank, Ψ parameters, N ranks
     "ddp": lambda psi, n: 16 * psi,
     "zero1": lambda psi, n: 8 * psi + 8 * psi / n,
+    "zero1after": lambda psi, n: 8 * psi + 8 * psi / n,
     "zero1naive": lambda psi, n: 8 * psi + 8 * psi / n,
     "zero2": lambda psi, n: 4 * psi + 12 * psi / n,
     "zero2naive": lambda psi, n: 4 * psi + 12 * psi / n,
@@ -145,7 +146,8 @@ def test_comm_bytes_per_step_match_the_formulas(runs):
                 r = res[kind][strategy]
                 per_step = r["log"].total_bytes() / W.STEPS
                 padded = sum(pad for _, pad in r["layouts"])
-                passes = {"ddp": 2, "zero1": 2, "zero1naive": 3, "zero2": 2, "zero2naive": 2}
+                passes = {"ddp": 2, "zero1": 2, "zero1after": 2, "zero1naive": 3, "zero2": 2,
+                          "zero2naive": 2}
                 if strategy == "zero3":  # gather in forward and in backward, reduce-scatter
                     frozen = sum(pad for unit in r["unit_layouts"] for pad, t in unit if not t)
                     expected = ring * 4 * (3 * padded + 2 * frozen)
@@ -160,19 +162,21 @@ def test_comm_bytes_per_step_match_the_formulas(runs):
 def test_comm_volume_is_2psi_or_3psi(runs):
     n, results = runs
     psi = zerolab.models.num_params(W.build_model("gpt"))
-    elements = {"ddp": 2, "zero1": 2, "zero1naive": 3, "zero2": 2, "zero2naive": 2, "zero3": 3}
+    elements = {"ddp": 2, "zero1": 2, "zero1after": 2, "zero1naive": 3, "zero2": 2,
+                "zero2naive": 2, "zero3": 3}
     for strategy, k in elements.items():
         per_step = results[0]["gpt"][strategy]["log"].total_bytes() / W.STEPS
         assert per_step == pytest.approx(k * psi * 4 * (n - 1) / n, rel=0.01), strategy
 
 
-def test_ddp_reduces_during_backward_zero1_after_it(runs):
+def test_which_collectives_run_in_which_phase(runs):
     n, results = runs
     ops = {s: {(e.op, e.tag.split("/")[1]) for e in results[0]["gpt"][s]["log"].events}
            for s in ALL}
     assert ops["ddp"] == {("all_reduce", "bwd")}
-    assert ops["zero1"] == {("reduce_scatter", "step"), ("all_gather", "step")}
-    assert ops["zero1naive"] == {("all_reduce", "step"), ("all_gather", "step")}
+    assert ops["zero1"] == {("reduce_scatter", "bwd"), ("all_gather", "step")}
+    assert ops["zero1after"] == {("reduce_scatter", "step"), ("all_gather", "step")}
+    assert ops["zero1naive"] == {("all_reduce", "bwd"), ("all_gather", "step")}
     assert ops["zero2"] == {("reduce_scatter", "bwd"), ("all_gather", "step")}
     assert ops["zero3"] == {("all_gather", "fwd"), ("all_gather", "bwd"), ("reduce_scatter", "bwd")}
 
@@ -256,3 +260,36 @@ def test_single_process_without_a_process_group(strategy, references):
         engine.zero_grad()
     state = engine.full_state_dict()
     assert all(torch.equal(state[k], v) for k, v in references["mlp"].items())
+
+
+# ---- ZeRO-1 and ZeRO-2 gather parameters asynchronously after step() -------------------------
+
+@pytest.fixture(scope="module")
+def prefetched(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("prefetch"))
+    return zerolab.launch(W.prefetched_params, 2, args=(["zero1", "zero2"], folder), timeout=300)
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_readers_after_step_see_the_gathered_parameters(prefetched, strategy):
+    for res in prefetched:
+        r = res[strategy]
+        # Right after the last step the gathers were still pending: each reader had to wait.
+        assert r["pending_before_read"] > 0 and r["pending_before_save"] > 0
+        reference = r["no_prefetch"]
+        assert max_diff(r["read"], reference) == 0  # full_state_dict() right after step()
+        saved = {k: v for k, v in r["saved"].items() if k in reference}
+        assert max_diff(saved, reference) == 0  # checkpoint.save() right after step()
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_parameter_gathers_overlap_the_next_forward(prefetched, strategy):
+    log = prefetched[0][strategy]["log"]
+    forwards = [s for s in log.spans if s.name == "forward"]
+    gathers = [e for e in log.events if e.op == "all_gather"]
+    assert gathers and all(e.async_op for e in gathers)
+    steps = len(forwards)
+    per_step = len(gathers) // steps
+    for k in range(steps - 1):  # step k's gathers are waited for inside forward k + 1
+        for e in gathers[k * per_step:(k + 1) * per_step]:
+            assert forwards[k + 1].start <= e.end <= forwards[k + 1].end, (k, e.tag)

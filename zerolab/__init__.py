@@ -16,7 +16,7 @@ from zerolab.comm import CommEvent, CommLog, record_comm
 from zerolab.ddp import DDP
 from zerolab.launch import LaunchError, LaunchTimeout, WorkerError, init_from_env, launch
 from zerolab.memory import MemoryTrace, distinct_bytes, model_state_bytes, track_memory
-from zerolab.zero1 import ZeRO1, ZeRO1Naive
+from zerolab.zero1 import ZeRO1, ZeRO1AfterBackward, ZeRO1Naive
 from zerolab.zero2 import ZeRO2, ZeRO2Naive
 from zerolab.zero3 import ZeRO3
 
@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DDP",
     "ZeRO1",
+    "ZeRO1AfterBackward",
     "ZeRO1Naive",
     "ZeRO2",
     "ZeRO2Naive",

@@ -48,6 +48,9 @@ class _TorchEngine:
     def step(self) -> None:
         self.optimizer.step()
 
+    def wait_params(self) -> None:
+        """torch's engines finish their parameter collectives within step()."""
+
     def zero_grad(self) -> None:
         # Keep gradient buffers, as zerolab's DDP and ZeRO-1 do, so that bytes compare.
         self.optimizer.zero_grad(set_to_none=False)

@@ -89,6 +89,7 @@ def save(engine, folder: str) -> None:
     """Collective: every rank writes rank{r}.pt; rank 0 writes the manifest last."""
     rank = engine.rank
     tag = f"{engine.name}/checkpoint"
+    engine.wait_params()  # parameters gathered asynchronously after step() are complete
     os.makedirs(folder, exist_ok=True)
     if rank == 0 and os.path.exists(os.path.join(folder, MANIFEST)):
         os.remove(os.path.join(folder, MANIFEST))  # from now on the folder reads "incomplete"
@@ -191,6 +192,7 @@ def load_full(engine, full: dict) -> None:
         raise CheckpointError(f"the checkpoint has no values for parameters {missing[:5]}")
     names = param_names(engine.module)
     held = [*zip(engine.slots, engine.masters), *((s, s.tensor) for s in engine.frozen_slots())]
+    engine.wait_params()  # a gather still in flight would overwrite what we load
     with torch.no_grad():
         for name, p in engine.module.named_parameters():
             if p.numel() > 0:  # held in full now (ZeRO-3's resharded parameters are empty)

@@ -1,8 +1,8 @@
 """DDP: the baseline every ZeRO stage improves on.
 
-Every rank holds a full copy of the parameters, the gradients and the optimizer state (16 bytes
-per parameter with fp32 Adam), runs forward and backward on its own slice of the batch, and the
-ranks average their gradients so that every copy takes the same step.
+Every rank holds a full copy of the parameters, gradients and optimizer state (16 bytes per
+parameter with fp32 Adam), runs forward and backward on its own slice of the batch, and the ranks
+average their gradients so that every copy takes the same step.
 
 The averaging happens *during* backward: parameters are grouped into buckets (in reverse order,
 roughly the order backward produces their gradients), and as soon as the last gradient of a
@@ -16,7 +16,9 @@ The stages that follow subclass this one and override its hooks, nothing else:
     _make_buckets   greedy, bucket_bytes  same                same                one per unit
     _shard_model    flat_grad per bucket  + flat_param and    grad_shard instead  only shards
                                           local_shard views   of flat_grad        kept at rest
-    _bucket_ready   _reduce it now        wait for step()     _reduce it now      + reshard
+    _hook_modules   nothing               wait for a gather   ZeRO-1's            unshard and
+                                          before forward                          reshard units
+    _bucket_ready   _reduce it now        DDP's               DDP's               + reshard
     _reduce         all-reduce (avg)      reduce-scatter      reduce-scatter,     ZeRO-2's
                                                               free the .grads
     _after_step     nothing               all-gather params   ZeRO-1's            nothing
@@ -79,8 +81,7 @@ class DDP:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
         self.bucket_bytes = bucket_bytes
-        # Reductions in flight, each with what to do once it completes (or None).
-        self._pending: list[tuple[comm.Handle, Callable[[], None] | None]] = []
+        self._pending: list[tuple[comm.Handle, Callable[[], None] | None]] = []  # (in flight, then)
         self._backward_seen = False  # a gradient was accumulated since the last step
         self._grads_synced = False  # this step's gradients are reduced (step or clipping did it)
         self._sync = True  # False inside no_sync(): gradients accumulate locally, unreduced
@@ -96,6 +97,7 @@ class DDP:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(
                     functools.partial(self._grad_accumulated, bucket))
+        self._hook_modules()
 
     # ---- set-up: what each rank holds ---------------------------------------------------------
 
@@ -131,12 +133,14 @@ class DDP:
 
     # ---- forward and backward: the hooks ------------------------------------------------------
 
+    def _hook_modules(self) -> None:
+        """DDP's forward needs nothing: every rank holds every parameter, always."""
+
     def __call__(self, *args, **kwargs):
         return self.precision.forward(self.module, args, kwargs)
 
     def _grad_accumulated(self, bucket: Bucket, param: nn.Parameter) -> None:
-        # Fires once per parameter per backward, after autograd has summed every use of it
-        # (a tied or reused weight included) into .grad.
+        # Fires once per backward, after autograd summed every use of param (tied, reused).
         self._backward_seen = True
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
@@ -146,39 +150,37 @@ class DDP:
     def _bucket_ready(self, bucket: Bucket) -> None:
         """The last gradient of `bucket` has arrived: start reducing it, backward goes on."""
         if self._sync:
-            self._reduce(bucket)
+            self._reduce(bucket, "bwd")
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Gradient accumulation: backward passes inside the block communicate nothing.
-
-        Gradients add up locally (in DDP and ZeRO-1 in the flat gradient buffers; ZeRO-2 and
-        ZeRO-3 keep full gradients between micro-batches, trading memory for traffic). The first
-        backward after the block reduces the sum of all micro-batches. Scale each micro-batch's
-        loss by 1/micro_batches to get the mean, as with torch's DDP.no_sync().
-        """
+        """Gradient accumulation: backward passes inside the block communicate nothing; the
+        first backward after it reduces the sum of every micro-batch (scale each loss by
+        1/micro_batches for the mean, as with torch's DDP.no_sync()). Meanwhile gradients add
+        up locally: ZeRO-2 and ZeRO-3 keep full ones, trading memory for traffic."""
         self._sync = False
         try:
             yield
         finally:
             self._sync = True
 
-    def _reduce(self, bucket: Bucket) -> None:
+    def _reduce(self, bucket: Bucket, phase: str) -> None:
+        """Average the bucket's gradients over the ranks. phase: "bwd" or "step" (for the tag)."""
         bucket.reduced = True
-        handle = comm.all_reduce(bucket.flat_grad, op="avg", tag=f"{self.name}/bwd/{bucket.name}",
-                                 group=self.group, async_op=True)
+        handle = comm.all_reduce(bucket.flat_grad, op="avg",
+                                 tag=f"{self.name}/{phase}/{bucket.name}", group=self.group,
+                                 async_op=True)
         self._pending.append((handle, None))
 
     def _finish_backward(self) -> None:
         """Reduce what backward left unreduced (unused parameters), wait for everything."""
         if not self._backward_seen:
-            raise RuntimeError(
-                f"{type(self).__name__}.step() (or clip_grad_norm_()) was called before "
-                "backward(): no gradient has been computed since the last step. Call "
-                "loss.backward() first.")
+            raise RuntimeError(f"{type(self).__name__}.step() (or clip_grad_norm_()) was called "
+                               "before backward(): no gradient has been computed since the last "
+                               "step. Call loss.backward() first.")
         for bucket in self.buckets:
             if not bucket.reduced:
-                self._reduce(bucket)
+                self._reduce(bucket, "step")
         self._wait_pending()
         for bucket in self.buckets:
             bucket.ready, bucket.reduced = 0, False
@@ -203,14 +205,11 @@ class DDP:
     def _sync_grads(self) -> None:
         if not self._grads_synced:
             self._finish_backward()
-            self._grads_synced = True
+        self._grads_synced = True
 
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale the gradients so that their global L2 norm is at most max_norm.
-
-        Returns the global norm before clipping, as a float, on every rank (like
-        torch.nn.utils.clip_grad_norm_). Call it between backward() and step().
-        """
+        """Scale the gradients so that their global L2 norm is at most max_norm; return the
+        norm before clipping (as torch.nn.utils.clip_grad_norm_). Between backward and step."""
         self._sync_grads()
         return clip_grad_norm_(self._owned_grads(), max_norm, self._sum_over_ranks)
 
@@ -232,17 +231,19 @@ class DDP:
     # ---- what a rank holds --------------------------------------------------------------------
 
     def state_tensors(self) -> StateTensors:
-        """The tensors this rank holds for model state now, by category (for measurement)."""
-        return {
-            "params": list(self.module.parameters()),
-            "grads": [b.flat_grad for b in self.buckets],
-            # fp32 masters are the parameters themselves, already counted; mixed: K=12 with Adam
-            "optimizer": optimizer_tensors(self.optimizer) + self.masters,
-        }
+        """What this rank holds now, by category. (fp32 masters are the parameters, counted
+        once; with mixed precision they are fp32 copies: with Adam's m and v, K = 12.)"""
+        return {"params": list(self.module.parameters()),
+                "grads": [b.flat_grad for b in self.buckets],
+                "optimizer": optimizer_tensors(self.optimizer) + self.masters}
 
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's bytes held now for params, grads and optimizer state (distinct storages)."""
         return model_state_bytes(self.state_tensors())
+
+    def wait_params(self) -> None:
+        """Return once every parameter holds its latest value (DDP: always; ZeRO-1/2 gather
+        them asynchronously after step()). Checkpoints call it first."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers, on every rank (a collective in the sharded stages)."""

@@ -27,7 +27,7 @@ from zerolab import comm
 from zerolab.comm import CommLog, Span
 from zerolab.ddp import DDP
 from zerolab.memory import MemoryTrace, track_memory
-from zerolab.zero1 import ZeRO1, ZeRO1Naive
+from zerolab.zero1 import ZeRO1, ZeRO1AfterBackward, ZeRO1Naive
 from zerolab.zero2 import ZeRO2, ZeRO2Naive
 from zerolab.zero3 import ZeRO3
 
@@ -36,6 +36,7 @@ ENGINES: dict[str, tuple[str, Any]] = {
     "ddp": ("DDP", DDP),
     "zero1": ("ZeRO-1", ZeRO1),
     "zero1naive": ("ZeRO-1 naive", ZeRO1Naive),
+    "zero1after": ("ZeRO-1, after backward", ZeRO1AfterBackward),
     "zero2": ("ZeRO-2", ZeRO2),
     "zero2naive": ("ZeRO-2 naive", ZeRO2Naive),
     "zero3": ("ZeRO-3", ZeRO3),
@@ -144,6 +145,9 @@ def measured_step(engine: Any, x: torch.Tensor, y: torch.Tensor, *, memory: bool
         hooks = _span_hooks(forward_spans, log)
         try:  # with per-module spans, those stand for the forward
             loss = train_step(engine, x, y, loss_fn, forward_span=not forward_spans)
+            # ZeRO-1/2 gather parameters asynchronously after step(): finish them here, so
+            # that every byte this step sends is in its log.
+            engine.wait_params()
         finally:
             for h in hooks:
                 h.remove()

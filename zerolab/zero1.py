@@ -6,9 +6,14 @@ What changes from DDP (ddp.py):
   flat_param, not a copy, so updating the shard updates the model.
 - The optimizer sees only the local shards, so Adam's two states take 8Ψ/N bytes per rank
   instead of 8Ψ. Parameters (4Ψ) and gradients (4Ψ) stay full: 8Ψ + 8Ψ/N in all.
-- After backward, each bucket's full gradient is reduce-scattered (each rank receives the
-  average of its own shard only: Ψ elements sent per rank in total, not the 2Ψ of all-reduce),
-  every rank updates its shard, and the parameters are all-gathered (Ψ): 2Ψ per step, like DDP.
+- Each bucket's full gradient is reduce-scattered as soon as backward has produced it, as DDP
+  all-reduces it (each rank receives the average of its own shard only: Ψ elements sent per
+  rank in total, not the 2Ψ of all-reduce); every rank updates its shard, and the parameters
+  are all-gathered (Ψ): 2Ψ per step, like DDP.
+- prefetch (default): the all-gathers are issued at the end of step() without waiting; each
+  module waits, in a forward pre-hook, only for the buckets holding its own parameters, so the
+  gather overlaps the next forward. `ZeRO1AfterBackward` keeps the schedule as the paper draws
+  it (reduce-scatter after backward, all-gather before step() returns): same bytes, no overlap.
 
 `ZeRO1Naive` is the version many tutorials show: all-reduce the full gradient (2Ψ), keep your
 shard of it, then all-gather the parameters (Ψ): 3Ψ, half as much again (1.5x) for the same
@@ -43,6 +48,12 @@ class ShardedBucket(Bucket):
 class ZeRO1(DDP):
     name = "zero1"
 
+    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
+                 prefetch: bool = True, **kwargs):
+        super().__init__(model, optimizer_cls, **kwargs)
+        self.prefetch = prefetch  # gather parameters asynchronously, wait at their first use
+        self._param_gathers: dict[str, comm.Handle] = {}  # bucket name -> gather in flight
+
     def _make_buckets(self) -> list[ShardedBucket]:
         return [ShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]
 
@@ -64,16 +75,29 @@ class ZeRO1(DDP):
         creates Adam's m and v for shard_numel elements, not for the whole model."""
         return [Slot(b.local_shard, tuple(b.params), b.layout) for b in self.buckets]
 
-    def _bucket_ready(self, bucket: ShardedBucket) -> None:
-        """ZeRO-1 (as in the paper) reduces after backward, in step(): nothing to do yet."""
+    def _hook_modules(self) -> None:
+        """Before a module runs forward, wait for the gathers of the buckets its parameters
+        live in (issued at the end of the previous step, and likely done by now)."""
+        bucket_of = {p: b.name for b in self.buckets for p in b.params}
+        for module in self.module.modules():
+            names = sorted({bucket_of[p] for p in module.parameters(recurse=False)
+                            if p in bucket_of})
+            if names:
+                module.register_forward_pre_hook(lambda m, args, ns=names: self._wait_params(ns))
+        # A parameter read outside its own module's forward is not waited for above (as with
+        # FSDP2, whose modules unshard their own parameters): at the latest, when forward ends.
+        self.module.register_forward_hook(lambda m, args, out: self.wait_params())
 
-    def _reduce(self, bucket: ShardedBucket) -> None:
+    def _reduce(self, bucket: ShardedBucket, phase: str) -> None:
         """Reduce-scatter: this rank receives the average gradient of its own shard."""
         bucket.reduced = True
         grad_shard = torch.empty_like(bucket.local_shard)  # (shard_numel,)
-        comm.reduce_scatter(grad_shard, bucket.flat_grad, op="avg",
-                            tag=f"{self.name}/step/{bucket.name}", group=self.group,
-                            scratch_input=True)  # flat_grad is overwritten just below
+        handle = comm.reduce_scatter(grad_shard, bucket.flat_grad, op="avg",
+                                     tag=f"{self.name}/{phase}/{bucket.name}", group=self.group,
+                                     async_op=True, scratch_input=True)  # flat_grad: overwritten
+        self._pending.append((handle, lambda: self._keep_shard(bucket, grad_shard)))
+
+    def _keep_shard(self, bucket: ShardedBucket, grad_shard: torch.Tensor) -> None:
         # Keep it inside flat_grad (the rest of which is now stale and unused), so that
         # gradients still take 4Ψ, not 4Ψ + 4Ψ/N.
         own = shard(bucket.flat_grad, bucket.layout, self.rank)
@@ -81,8 +105,29 @@ class ZeRO1(DDP):
         bucket.local_shard.grad = own
 
     def _after_step(self) -> None:
-        """Every rank updated its own shard: all-gather the shards back into the full params."""
-        self._all_gather_params()
+        """Every rank updated its own shard: all-gather the shards back into the full params,
+        in the order forward needs them (the last bucket holds the first layers)."""
+        self.wait_params()  # two steps without a forward between them: finish the last gathers
+        for b in reversed(self.buckets):
+            # The input must not alias the output buffer; a shard-sized copy avoids that.
+            self._param_gathers[b.name] = comm.all_gather(
+                b.flat_param, b.local_shard.detach().clone(), tag=f"{self.name}/step/{b.name}",
+                group=self.group, async_op=self.prefetch)
+        if not self.prefetch:
+            self.wait_params()
+
+    def _wait_params(self, names: list[str]) -> None:
+        for name in names:
+            if (handle := self._param_gathers.pop(name, None)) is not None:
+                handle.wait()
+
+    def wait_params(self) -> None:
+        """Return once every parameter holds its latest value (the gathers are done)."""
+        self._wait_params(list(self._param_gathers))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        self.wait_params()
+        return super().full_state_dict()
 
     def _owned_grads(self) -> list[torch.Tensor]:
         return [b.local_shard.grad for b in self.buckets]
@@ -91,12 +136,6 @@ class ZeRO1(DDP):
         """Each rank owns a shard of the gradient: add up the ranks' sums of squares."""
         comm.all_reduce(local, tag=f"{self.name}/clip/norm", group=self.group)
         return local
-
-    def _all_gather_params(self) -> None:
-        for b in self.buckets:
-            # The input must not alias the output buffer; a shard-sized copy avoids that.
-            comm.all_gather(b.flat_param, b.local_shard.detach().clone(),
-                            tag=f"{self.name}/step/{b.name}", group=self.group)
 
     def state_tensors(self):
         state = super().state_tensors()
@@ -109,9 +148,25 @@ class ZeRO1Naive(ZeRO1):
 
     name = "zero1naive"
 
-    def _reduce(self, bucket: ShardedBucket) -> None:
+    def _reduce(self, bucket: ShardedBucket, phase: str) -> None:
         bucket.reduced = True
-        comm.all_reduce(bucket.flat_grad, op="avg", tag=f"{self.name}/step/{bucket.name}",
-                        group=self.group)
-        # Every rank now has the whole averaged gradient and uses 1/N of it.
+        handle = comm.all_reduce(bucket.flat_grad, op="avg",
+                                 tag=f"{self.name}/{phase}/{bucket.name}", group=self.group,
+                                 async_op=True)
+        self._pending.append((handle, None))
+        # Every rank gets the whole averaged gradient, and uses 1/N of it.
         bucket.local_shard.grad = shard(bucket.flat_grad, bucket.layout, self.rank)
+
+
+class ZeRO1AfterBackward(ZeRO1):
+    """ZeRO-1 on the paper's schedule: reduce-scatter once backward is over, all-gather before
+    step() returns. The same bytes as ZeRO1; nothing overlaps (notebook 03 sets them side by
+    side on a timeline)."""
+
+    name = "zero1after"
+
+    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
+        super().__init__(model, optimizer_cls, prefetch=False, **kwargs)
+
+    def _bucket_ready(self, bucket: ShardedBucket) -> None:
+        """Nothing during backward: step() reduce-scatters every bucket."""

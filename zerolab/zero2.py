@@ -47,12 +47,9 @@ class ZeRO2(ZeRO1):
             b.grad_shard = torch.zeros_like(b.local_shard)
             b.local_shard.grad = b.grad_shard  # the optimizer reads the shard's gradient here
 
-    def _bucket_ready(self, bucket: GradShardedBucket) -> None:
-        """During backward: reduce-scatter this bucket now and free its full gradients."""
-        if self._sync:  # inside no_sync() the full gradients stay and keep accumulating
-            self._reduce(bucket)
-
-    def _reduce(self, bucket: GradShardedBucket) -> None:
+    def _reduce(self, bucket: GradShardedBucket, phase: str) -> None:
+        """Flatten the bucket's full gradients, free them, reduce-scatter into grad_shard.
+        (Inside no_sync() this is not called: the full gradients stay and accumulate.)"""
         self._wait_pending()  # at most one bucket in flight: bounded memory
         bucket.reduced = True
         # (padded_numel,) a parameter used by no one in this step contributes zeros
@@ -62,7 +59,7 @@ class ZeRO2(ZeRO1):
             p.grad = None  # the full gradients are freed here: only `full` is left, briefly
         received = torch.empty_like(bucket.grad_shard)  # (shard_numel,)
         handle = comm.reduce_scatter(received, full, op="avg",
-                                     tag=f"{self.name}/bwd/{bucket.name}",
+                                     tag=f"{self.name}/{phase}/{bucket.name}",
                                      group=self.group, async_op=True,
                                      scratch_input=True)  # `full` is dropped once received
         self._pending.append((handle, lambda: self._accumulate(bucket, received, full)))

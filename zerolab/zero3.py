@@ -44,14 +44,8 @@ class ZeRO3(ZeRO2):
                  units: Sequence[UnitSpec] | None = None, prefetch: bool = True, **kwargs):
         self.units = make_units(model, units)  # which parameters each unit gathers, root last
         self.root = self.units[-1]
-        self.prefetch = prefetch
-        super().__init__(model, optimizer_cls, **kwargs)
+        super().__init__(model, optimizer_cls, prefetch=prefetch, **kwargs)
         self._unit_of = {b.name: u for u in self.units for b in u.buckets}
-        for unit in self.units:
-            for module in unit.modules:
-                module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
-                module.register_forward_hook(
-                    lambda m, args, out, u=unit: self.post_forward(u, out))
 
     # ---- set-up: each unit's shards -----------------------------------------------------------
 
@@ -119,6 +113,14 @@ class ZeRO3(ZeRO2):
         unit.unsharded = False
 
     # ---- the hooks, in the order they run -----------------------------------------------------
+
+    def _hook_modules(self) -> None:
+        """Each unit's modules: unshard before their forward, reshard after it."""
+        for unit in self.units:
+            for module in unit.modules:
+                module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
+                module.register_forward_hook(
+                    lambda m, args, out, u=unit: self.post_forward(u, out))
 
     def pre_forward(self, unit: Unit) -> None:
         self.unshard(unit, "fwd")
