@@ -201,3 +201,25 @@ def prefetched_params(strategies: list[str], folder: str) -> dict:
             "saved": checkpoint.consolidate(os.path.join(folder, strategy))["model"],
             "no_prefetch": _trained(strategy, prefetch=False).full_state_dict(), "log": log}
     return out
+
+
+def checkpointed_zero3(prefetch: bool) -> dict:
+    """ZeRO-3 on a GPT whose blocks are checkpointed (torch.utils.checkpoint on each unit):
+    backward recomputes each block's forward, and the unit's hooks fire again."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    out = {}
+    for mode in ("none", "block"):
+        model = models.GPT(models.GPTConfig(n_layer=4, checkpoint=mode))
+        engine = zerolab.ZeRO3(model, torch.optim.AdamW, lr=LR, prefetch=prefetch)
+        with zerolab.record_comm() as log:
+            for x, y in batches(model, rank, world_size):
+                harness.train_step(engine, x, y)
+                engine.zero_grad()
+        gathers: dict[str, int] = {}
+        for e in log.events:
+            if e.op == "all_gather":
+                key = "/".join(e.tag.split("/")[1:])  # "fwd/blocks.2"
+                gathers[key] = gathers.get(key, 0) + 1
+        out[mode] = {"state": engine.full_state_dict(), "gathers": gathers,
+                     "wire": log.total_wire_bytes(), "ring": log.total_ring_bytes()}
+    return out

@@ -293,3 +293,20 @@ def test_parameter_gathers_overlap_the_next_forward(prefetched, strategy):
     for k in range(steps - 1):  # step k's gathers are waited for inside forward k + 1
         for e in gathers[k * per_step:(k + 1) * per_step]:
             assert forwards[k + 1].start <= e.end <= forwards[k + 1].end, (k, e.tag)
+
+
+# ---- ZeRO-3 with activation checkpointing ------------------------------------------------------
+
+@pytest.mark.parametrize("prefetch", [True, False], ids=["prefetch", "no_prefetch"])
+def test_zero3_with_checkpointing_gathers_each_unit_once_per_phase(prefetch):
+    """Backward re-runs each checkpointed block's forward: its hooks fire again and must neither
+    prefetch the next block nor free the block being back-propagated."""
+    results = zerolab.launch(W.checkpointed_zero3, 2, args=(prefetch,), timeout=300)
+    for res in results:
+        plain, ckpt = res["none"], res["block"]
+        assert max_diff(ckpt["state"], plain["state"]) == 0  # the same training, bitwise
+        assert ckpt["gathers"] == plain["gathers"]  # the same gathers, no extra
+        for i in range(4):  # once in forward and once in backward, every step
+            assert ckpt["gathers"][f"fwd/blocks.{i}"] == W.STEPS
+            assert ckpt["gathers"][f"bwd/blocks.{i}"] == W.STEPS
+        assert ckpt["ring"] == plain["ring"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,16 @@ class GPTConfig:
     n_embd: int = 32  # hidden size h
     tie_weights: bool = True  # output head shares the token embedding matrix
     seed: int = 0  # initial weights come from this seed
+    attention: str = "sdpa"  # "sdpa": fused (keeps no (seq, seq) scores); "explicit": softmax(QK^T)
+    checkpoint: str = "none"  # "none"; "block": recompute each block in backward;
+    #                           "attention": recompute only softmax(QK^T)V (selective)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ("sdpa", "explicit"):
+            raise ValueError(f"attention must be 'sdpa' or 'explicit', got {self.attention!r}")
+        if self.checkpoint not in ("none", "block", "attention"):
+            raise ValueError(f"checkpoint must be 'none', 'block' or 'attention', "
+                             f"got {self.checkpoint!r}")
 
 
 class Block(nn.Module):
@@ -85,6 +96,8 @@ class Block(nn.Module):
         super().__init__()
         h = config.n_embd
         self.n_head = config.n_head
+        self.attention = config.attention
+        self.recompute_attention = config.checkpoint == "attention"
         self.ln1 = nn.LayerNorm(h)
         self.qkv = nn.Linear(h, 3 * h)
         self.proj = nn.Linear(h, h)
@@ -97,9 +110,21 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(h, dim=2)
         # (batch, heads, seq, head_dim)
         q, k, v = (z.view(b, t, self.n_head, h // self.n_head).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.recompute_attention:  # keep only q, k, v; recompute the rest in backward
+            y = checkpoint(self.attend, q, k, v, use_reentrant=False)
+        else:
+            y = self.attend(q, k, v)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, h))
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention. q, k, v: (batch, heads, seq, head_dim) -> the same shape."""
+        if self.attention == "sdpa":  # fused: the (seq, seq) scores never exist in memory
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        t = q.shape[-2]
+        scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # (batch, heads, seq, seq)
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
 
 
 class GPT(nn.Module):
@@ -125,7 +150,10 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.config.checkpoint == "block":  # keep only the block's input for backward
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
     def make_batch(self, batch_size: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

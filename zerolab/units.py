@@ -34,6 +34,7 @@ class Unit:
     buckets: list = field(default_factory=list)  # its flat buckets, set by the engine
     unsharded: bool = False  # parameters point into gathered full buffers
     gathers: list = field(default_factory=list)  # all-gathers issued and not yet waited on
+    in_backward: bool = False  # pre_backward ran: a forward now is a checkpoint's recompute
 
     @property
     def is_root(self) -> bool:

@@ -122,12 +122,23 @@ class ZeRO3(ZeRO2):
                 module.register_forward_hook(
                     lambda m, args, out, u=unit: self.post_forward(u, out))
 
+    # Note: with activation checkpointing (torch.utils.checkpoint on a unit), backward runs the
+    # unit's forward again to recompute what it did not keep, and that recompute fires the
+    # unit's forward hooks. pre_backward has already gathered the unit; a pre_forward then must
+    # not prefetch the *next* unit (forward's order, wrong in backward), and a post_forward must
+    # not reshard the unit that backward is about to use. As FSDP2 does, a unit remembers that
+    # it is in backward, and its forward hooks do nothing until post_backward.
+
     def pre_forward(self, unit: Unit) -> None:
+        if unit.in_backward:  # a checkpoint's recompute: pre_backward gathered it
+            return
         self.unshard(unit, "fwd")
         if self.prefetch and (nxt := self._neighbour(unit, +1)) is not None:
             self.unshard(nxt, "fwd", async_op=True)
 
     def post_forward(self, unit: Unit, output) -> None:
+        if unit.in_backward:  # a checkpoint's recompute: keep the unit for its backward
+            return
         if unit is self.root:  # the whole forward is over: leave every unit sharded
             for u in self.units:
                 self.reshard(u)
@@ -138,6 +149,7 @@ class ZeRO3(ZeRO2):
                 t.register_hook(lambda grad, u=unit: self.pre_backward(u))
 
     def pre_backward(self, unit: Unit) -> None:
+        unit.in_backward = True
         self.unshard(unit, "bwd")
         if self.prefetch and (prev := self._neighbour(unit, -1)) is not None:
             self.unshard(prev, "bwd", async_op=True)
@@ -145,7 +157,9 @@ class ZeRO3(ZeRO2):
     def _bucket_ready(self, bucket: GradShardedBucket) -> None:
         """post_backward: every gradient of the unit is in: reduce-scatter, then reshard."""
         super()._bucket_ready(bucket)  # ZeRO-2's reduce-scatter (skipped inside no_sync())
-        self.reshard(self._unit_of[bucket.name])
+        unit = self._unit_of[bucket.name]
+        unit.in_backward = False
+        self.reshard(unit)
 
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:
         order = self.units[:-1]  # the root is gathered for the whole forward: never prefetched
@@ -159,6 +173,7 @@ class ZeRO3(ZeRO2):
     def _finish_backward(self) -> None:
         super()._finish_backward()  # reduces what backward did not (unused parameters)
         for unit in self.units:  # units with frozen parameters only, and unused prefetches
+            unit.in_backward = False
             self.reshard(unit)
 
     def _after_step(self) -> None:
