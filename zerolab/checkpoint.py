@@ -26,6 +26,7 @@ import torch
 
 from zerolab import comm
 from zerolab.sharding import local_values
+from zerolab.startup import param_names
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -67,11 +68,6 @@ def pieces(engine) -> list[Piece]:
         out.append(Piece([names[p] for p in slot.params], shapes, start,
                          {"param": param, **tensors}, scalars))
     return out
-
-
-def param_names(module: torch.nn.Module) -> dict[torch.nn.Parameter, str]:
-    """Each parameter's name (a tied weight: its first name)."""
-    return {p: n for n, p in module.named_parameters()}
 
 
 def _optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor):

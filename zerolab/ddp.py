@@ -13,6 +13,7 @@ buffer (`flat_grad`); the parameters' `.grad` are views into it, so the all-redu
 The stages that follow subclass this one and override its hooks, nothing else:
 
     hook            DDP (here)            ZeRO-1              ZeRO-2              ZeRO-3
+    _materialize    a meta model, whole   DDP's               DDP's               unit by unit
     _make_buckets   greedy, bucket_bytes  same                same                one per unit
     _shard_model    flat_grad per bucket  + flat_param and    grad_shard instead  only shards
                                           local_shard views   of flat_grad        kept at rest
@@ -33,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -44,22 +44,10 @@ from zerolab.checks import check_engine_arguments
 from zerolab.clipping import clip_grad_norm_
 from zerolab.memory import StateTensors, model_state_bytes, optimizer_tensors
 from zerolab.mixed_precision import MixedPrecisionPolicy
-from zerolab.sharding import FlatLayout, Slot
-from zerolab.startup import broadcast_from_rank0
+from zerolab.sharding import Bucket, FlatLayout, Slot
+from zerolab.startup import broadcast_from_rank0, materialize, where
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB: small, so that the course's small models get buckets
-
-
-@dataclass
-class Bucket:
-    """Parameters whose gradients are reduced together, in one flat buffer."""
-
-    name: str  # used in comm tags: "bucket0", or a ZeRO-3 unit's name
-    params: list[nn.Parameter]  # trainable parameters, each in exactly one bucket
-    layout: FlatLayout  # where each parameter sits in the flat buffers
-    flat_grad: torch.Tensor | None = None  # (padded_numel,) DDP/ZeRO-1: params' .grad are views
-    ready: int = 0  # parameters whose gradient is accumulated in the current backward
-    reduced: bool = False  # its reduction has been issued for the current backward
 
 
 class DDP:
@@ -78,13 +66,13 @@ class DDP:
         check_engine_arguments(model, optimizer_cls)
         self.module = model
         self.group = group
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.world_size = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank, self.world_size, self.device = where(group)
         self.bucket_bytes = bucket_bytes
         self._pending: list[tuple[comm.Handle, Callable[[], None] | None]] = []  # (in flight, then)
         self._backward_seen = False  # a gradient was accumulated since the last step
         self._grads_synced = False  # this step's gradients are reduced (step or clipping did it)
         self._sync = True  # False inside no_sync(): gradients accumulate locally, unreduced
+        self._materialize()  # a model built on the meta device gets its values here
         broadcast_from_rank0(model, group, tag=f"{self.name}/init")
         self.precision = MixedPrecisionPolicy(param_dtype)
         fp32_values = self.precision.cast_module(model)  # {} in fp32
@@ -100,6 +88,10 @@ class DDP:
         self._hook_modules()
 
     # ---- set-up: what each rank holds ---------------------------------------------------------
+
+    def _materialize(self) -> None:
+        """DDP holds every parameter: build a meta-device model all at once (startup.py)."""
+        materialize(self.module, self.device)
 
     def _make_buckets(self) -> list[Bucket]:
         """Greedy, in reverse order (≈ backward's): close a bucket once it holds bucket_bytes.

@@ -34,6 +34,8 @@ StateTensors = dict[str, Iterable[torch.Tensor]]
 
 
 def _storage_key(t: torch.Tensor) -> tuple | None:
+    if t.is_meta:  # a shape without memory (a model built on the meta device)
+        return None
     storage = t.untyped_storage()
     if storage.nbytes() == 0:
         return None
@@ -111,6 +113,8 @@ class _Tracker(TorchDispatchMode):
         self.t0 = trace.t0 = time.perf_counter()
 
     def watch(self, t: torch.Tensor) -> None:
+        if t.is_meta:  # meta tensors report a size but hold no memory
+            return
         storage = t.untyped_storage()
         key = id(storage)  # torch keeps one Python object per live storage
         if key not in self.live:

@@ -46,6 +46,9 @@ class MixedPrecisionPolicy:
         """
         if self.param_dtype is None:
             return {}
+        if any(p.is_meta for p in model.parameters()):
+            raise ValueError("param_dtype with a model on the meta device is not supported: "
+                             "build the model in full, or train it in fp32")
         fp32 = {p: p.detach().float().clone() for p in model.parameters() if p.requires_grad}
         with torch.no_grad():
             for t in [*model.parameters(), *model.buffers()]:

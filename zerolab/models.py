@@ -13,6 +13,7 @@ every strategy and the single-process reference train on exactly the same thing.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -138,13 +139,29 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.wte.weight  # one Parameter, used first and last
-        gen = torch.Generator().manual_seed(config.seed)
+        for name, p in self.named_parameters():
+            if not p.is_meta:  # on the meta device, an engine calls init_tensor unit by unit
+                self.init_tensor(name, p)
+
+    def init_tensor(self, name: str, t: torch.Tensor) -> None:
+        """Fill parameter `name` with its initial value, in place.
+
+        Each parameter draws from a generator seeded by the model's seed and its own name, so
+        the same model comes out whatever the world size, the engine, and whether it was built
+        in full or on the meta device and materialised one unit at a time.
+        """
         with torch.no_grad():
-            for name, p in self.named_parameters():
-                if name.endswith("bias"):
-                    p.zero_()
-                elif p.dim() >= 2:
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            if name.endswith("bias"):
+                t.zero_()
+            elif t.dim() == 1:  # LayerNorm gains
+                t.fill_(1.0)
+            else:
+                key = zlib.crc32(f"{self.config.seed}/{name}".encode())
+                gen = torch.Generator().manual_seed(key)  # on the CPU: the same on a GPU
+                values = t if t.device.type == "cpu" else torch.empty(t.shape)
+                values.normal_(0.0, 0.02, generator=gen)  # in place: no temporary copy
+                if values is not t:
+                    t.copy_(values)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:  # (batch, seq) -> (batch, seq, vocab)
         pos = torch.arange(idx.shape[1], device=idx.device)

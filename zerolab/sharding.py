@@ -68,6 +68,18 @@ def shard(flat: torch.Tensor, layout: FlatLayout, rank: int) -> torch.Tensor:
     return flat[start:end]
 
 
+@dataclass
+class Bucket:
+    """Parameters whose gradients are reduced together, in one flat buffer."""
+
+    name: str  # used in comm tags: "bucket0", or a ZeRO-3 unit's name
+    params: list[torch.nn.Parameter]  # trainable parameters, each in exactly one bucket
+    layout: FlatLayout  # where each parameter sits in the flat buffers
+    flat_grad: torch.Tensor | None = None  # (padded_numel,) DDP/ZeRO-1: params' .grad are views
+    ready: int = 0  # parameters whose gradient is accumulated in the current backward
+    reduced: bool = False  # its reduction has been issued for the current backward
+
+
 @dataclass(frozen=True)
 class Slot:
     """What one rank holds of a run of parameters, and where it sits in them.

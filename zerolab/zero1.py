@@ -33,8 +33,8 @@ import torch
 from torch import nn
 
 from zerolab import comm
-from zerolab.ddp import DDP, Bucket
-from zerolab.sharding import Slot, flatten, shard, unflatten
+from zerolab.ddp import DDP
+from zerolab.sharding import Bucket, Slot, flatten, shard, unflatten
 
 
 @dataclass
@@ -62,8 +62,9 @@ class ZeRO1(DDP):
         for b in self.buckets:
             self._flatten_params(b)
 
-    def _flatten_params(self, b: ShardedBucket) -> None:
-        b.flat_param = flatten([p.detach() for p in b.params], b.layout)
+    def _flatten_params(self, b: ShardedBucket, flat: torch.Tensor | None = None) -> None:
+        """Move the bucket's parameters into one flat buffer (`flat`: one built already)."""
+        b.flat_param = flatten([p.detach() for p in b.params], b.layout) if flat is None else flat
         for p, view in zip(b.params, unflatten(b.flat_param, b.layout)):
             p.data = view  # the module now computes with views into flat_param
         # nn.Parameter shares storage with the view it wraps: no copy.

@@ -33,6 +33,7 @@ from torch import nn
 from zerolab import comm
 from zerolab.nest import tensors_in
 from zerolab.sharding import FlatLayout, Slot, unflatten
+from zerolab.startup import materialize, materialize_flat, param_names
 from zerolab.units import Unit, UnitSpec, make_units
 from zerolab.zero2 import GradShardedBucket, ZeRO2
 
@@ -60,11 +61,21 @@ class ZeRO3(ZeRO2):
                 if (ps := [p for p in unit.params if p.requires_grad == trainable])]
         return [b for u in self.units for b in u.buckets if b.params[0].requires_grad]
 
+    def _materialize(self) -> None:
+        """Only the buffers now: a meta-device model's parameters are built unit by unit, in
+        _shard_model, so that no rank ever holds the whole model (startup.py)."""
+        materialize(self.module, self.device, params=False)
+
     def _shard_model(self) -> None:
         """Give each rank its own shard of every flat_param, then free the full buffers."""
+        names = param_names(self.module)
         for unit in self.units:
             for b in unit.buckets:
-                self._flatten_params(b)  # ZeRO-1: flat_param, params as views, local_shard view
+                flat = None
+                if b.params[0].is_meta:  # born sharded: build this unit now, in full, once
+                    flat = materialize_flat(self.module, b.params, [names[p] for p in b.params],
+                                            b.layout, self.device)
+                self._flatten_params(b, flat)  # ZeRO-1's: flat_param, views, local_shard view
                 b.local_shard.data = b.local_shard.detach().clone()  # its own (shard_numel,)
                 if b.local_shard.requires_grad:
                     b.grad_shard = torch.zeros_like(b.local_shard)
