@@ -160,7 +160,6 @@ def train_steps(engine, model, steps: range) -> None:
         x, y = harness.local_batch(model.make_batch, W.GLOBAL_BATCH, 100 + step, rank,
                                    world_size)
         harness.train_step(engine, x, y)
-        engine.zero_grad()
 
 
 def save_after(strategy: str, kind: str, folder: str, steps: int) -> None:

@@ -136,7 +136,6 @@ def peak_memory(kind: str, strategy: str, kwargs: dict) -> dict:
     engine = STRATEGIES[strategy](model, torch.optim.AdamW, lr=LR, **kwargs)
     steps = batches(model, rank, world_size)
     harness.train_step(engine, *next(steps))  # the first step creates Adam's state
-    engine.zero_grad()
     measured = harness.measured_step(engine, *next(steps))  # the second is measured
     trace, log = measured.memory, measured.log
     out = {"max": trace.max_by_category, "peak": trace.peak_bytes, "log": log,
@@ -175,9 +174,7 @@ def _trained(strategy: str, prefetch: bool, log=None):
     engine = STRATEGIES[strategy](model, torch.optim.AdamW, lr=LR, prefetch=prefetch,
                                   bucket_bytes=SMALL_BUCKETS)
     for i, (x, y) in enumerate(batches(model, rank, world_size)):
-        harness.train_step(engine, x, y)
-        if i < STEPS - 1:
-            engine.zero_grad()
+        harness.train_step(engine, x, y, zero_grad=i < STEPS - 1)  # the last: right after step
     return engine
 
 
@@ -214,7 +211,6 @@ def checkpointed_zero3(prefetch: bool) -> dict:
         with zerolab.record_comm() as log:
             for x, y in batches(model, rank, world_size):
                 harness.train_step(engine, x, y)
-                engine.zero_grad()
         gathers: dict[str, int] = {}
         for e in log.events:
             if e.op == "all_gather":

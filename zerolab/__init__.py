@@ -14,6 +14,7 @@ are imported on demand, so that spawned worker processes start fast.
 from zerolab import models
 from zerolab.comm import CommEvent, CommLog, record_comm
 from zerolab.ddp import DDP
+from zerolab.hsdp import HSDP
 from zerolab.launch import LaunchError, LaunchTimeout, WorkerError, init_from_env, launch
 from zerolab.memory import MemoryTrace, distinct_bytes, model_state_bytes, track_memory
 from zerolab.zero1 import ZeRO1, ZeRO1AfterBackward, ZeRO1Naive
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DDP",
+    "HSDP",
     "ZeRO1",
     "ZeRO1AfterBackward",
     "ZeRO1Naive",

@@ -42,7 +42,7 @@ class _TorchEngine:
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None):
         self.module = model
-        self.group = group
+        self.group = self.job_group = group
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
 
     def step(self) -> None:

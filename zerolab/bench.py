@@ -107,7 +107,6 @@ def bench_worker(config: BenchConfig, progress: Progress | None = None) -> dict[
             synchronize(ctx.device)
             start, cpu_start = time.perf_counter(), time.process_time()
             harness.train_step(engines[key], x, y)
-            engines[key].zero_grad()
             synchronize(ctx.device)
             times[key].append(time.perf_counter() - start)
             cpu_times[key].append(time.process_time() - cpu_start)

@@ -26,7 +26,7 @@ import torch
 
 from zerolab import comm
 from zerolab.sharding import local_values
-from zerolab.startup import param_names
+from zerolab.startup import param_names, where
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -82,14 +82,17 @@ def _optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor):
 
 
 def save(engine, folder: str) -> None:
-    """Collective: every rank writes rank{r}.pt; rank 0 writes the manifest last."""
-    rank = engine.rank
+    """Collective: every rank writes rank{r}.pt; rank 0 writes the manifest last.
+
+    r is the rank in the whole job (engine.job_group): HSDP's replicas each write their file.
+    """
+    rank, world_size, _ = where(engine.job_group)
     tag = f"{engine.name}/checkpoint"
     engine.wait_params()  # parameters gathered asynchronously after step() are complete
     os.makedirs(folder, exist_ok=True)
     if rank == 0 and os.path.exists(os.path.join(folder, MANIFEST)):
         os.remove(os.path.join(folder, MANIFEST))  # from now on the folder reads "incomplete"
-    comm.barrier(tag=tag, group=engine.group)
+    comm.barrier(tag=tag, group=engine.job_group)
     payload = {
         "pieces": [asdict(p) for p in pieces(engine)],
         "buffers": {k: v.detach().clone() for k, v in engine.module.named_buffers()}
@@ -98,19 +101,19 @@ def save(engine, folder: str) -> None:
     path = os.path.join(folder, f"rank{rank}.pt")
     torch.save(payload, path + ".tmp")
     os.replace(path + ".tmp", path)  # a file is either complete or absent
-    comm.barrier(tag=tag, group=engine.group)
+    comm.barrier(tag=tag, group=engine.job_group)
     if rank == 0:
         first_name = {p: n for n, p in engine.module.named_parameters()}
         aliases = {n: first_name[p]  # tied weights: every name the model's state_dict uses
                    for n, p in engine.module.named_parameters(remove_duplicate=False)
                    if first_name[p] != n}
-        manifest = {"format": FORMAT, "strategy": engine.name, "world_size": engine.world_size,
-                    "files": [f"rank{r}.pt" for r in range(engine.world_size)],
+        manifest = {"format": FORMAT, "strategy": engine.name, "world_size": world_size,
+                    "files": [f"rank{r}.pt" for r in range(world_size)],
                     "aliases": aliases}
         with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
             json.dump(manifest, f, indent=1)
         os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
-    comm.barrier(tag=tag, group=engine.group)
+    comm.barrier(tag=tag, group=engine.job_group)
 
 
 def consolidate(folder: str) -> dict:

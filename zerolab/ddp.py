@@ -66,6 +66,7 @@ class DDP:
         check_engine_arguments(model, optimizer_cls)
         self.module = model
         self.group = group
+        self.job_group = group  # every rank of this training job (HSDP's spans several groups)
         self.rank, self.world_size, self.device = where(group)
         self.bucket_bytes = bucket_bytes
         self._pending: list[tuple[comm.Handle, Callable[[], None] | None]] = []  # (in flight, then)

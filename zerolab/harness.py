@@ -26,6 +26,7 @@ from torch import nn
 from zerolab import comm
 from zerolab.comm import CommLog, Span
 from zerolab.ddp import DDP
+from zerolab.hsdp import HSDP
 from zerolab.memory import MemoryTrace, track_memory
 from zerolab.zero1 import ZeRO1, ZeRO1AfterBackward, ZeRO1Naive
 from zerolab.zero2 import ZeRO2, ZeRO2Naive
@@ -40,6 +41,7 @@ ENGINES: dict[str, tuple[str, Any]] = {
     "zero2": ("ZeRO-2", ZeRO2),
     "zero2naive": ("ZeRO-2 naive", ZeRO2Naive),
     "zero3": ("ZeRO-3", ZeRO3),
+    "hsdp": ("HSDP", HSDP),
     "torch_ddp": ("torch DDP", "zerolab.baselines:TorchDDP"),
     "torch_ddp_zero": ("torch DDP + ZeroRedundancyOptimizer", "zerolab.baselines:TorchZeRO"),
     "torch_fsdp2": ("torch FSDP2 (fully_shard)", "zerolab.baselines:TorchFSDP2"),
@@ -96,11 +98,11 @@ def local_rows(batch: Sequence[torch.Tensor], rank: int,
 
 def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
                loss_fn: Callable[..., torch.Tensor] | None = None, *,
-               forward_span: bool = True) -> torch.Tensor:
-    """Forward, backward, optimizer step, each marked as a span for the recorders.
+               forward_span: bool = True, zero_grad: bool = True) -> torch.Tensor:
+    """Forward, backward, optimizer step (each marked as a span for the recorders), then
+    zero_grad unless zero_grad=False (to read the gradients, or what a rank holds after step).
 
-    loss_fn(output, y): default, the model's own `loss`. Returns the (detached) loss; the
-    gradients are kept (call engine.zero_grad() next).
+    loss_fn(output, y): default, the model's own `loss`. Returns the (detached) loss.
     """
     loss_fn = loss_fn or engine.module.loss
     with comm.span("forward") if forward_span else contextlib.nullcontext():
@@ -109,6 +111,8 @@ def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
         loss.backward()
     with comm.span("step"):
         engine.step()
+    if zero_grad:
+        engine.zero_grad()
     return loss.detach()
 
 
@@ -139,12 +143,13 @@ def measured_step(engine: Any, x: torch.Tensor, y: torch.Tensor, *, memory: bool
     its own (the blocks, to see a gather wait for its block) instead of one "forward" span.
     The memory tracker inspects every op: keep it off where the timing matters.
     """
-    group = getattr(engine, "group", None)
+    group = engine.job_group
     tracker = track_memory(engine.state_tensors) if memory else contextlib.nullcontext()
     with comm.record_comm(group) as log, tracker as trace:
         hooks = _span_hooks(forward_spans, log)
         try:  # with per-module spans, those stand for the forward
-            loss = train_step(engine, x, y, loss_fn, forward_span=not forward_spans)
+            loss = train_step(engine, x, y, loss_fn, forward_span=not forward_spans,
+                              zero_grad=False)
             # ZeRO-1/2 gather parameters asynchronously after step(): finish them here, so
             # that every byte this step sends is in its log.
             engine.wait_params()

@@ -103,7 +103,6 @@ def train_worker(config: TrainConfig,
                 loss, memory, state_bytes = measured.loss, measured.memory, measured.held
             else:
                 loss = harness.train_step(engine, x, y).item()
-                engine.zero_grad()
             mean_loss = torch.tensor(loss, device=ctx.device)
             dist.all_reduce(mean_loss)  # not zerolab.comm: logging, not training traffic
             losses.append(mean_loss.item() / ctx.world_size)

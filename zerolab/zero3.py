@@ -17,6 +17,8 @@ What changes from ZeRO-2 (zero2.py):
   1.5x DDP's 2Ψ. That is the price of holding 1/N of the parameters.
 - Prefetch (on by default): when a unit starts, the all-gather of the next unit (next in forward,
   previous in backward) is issued asynchronously, so communication overlaps compute.
+- ZeRO++ options (quantize_weights, secondary_shard_size) change how the weights travel, not
+  when: zeropp.py.
 
 Which parameters form each unit (and the root, the model itself, which holds the embeddings,
 the final LayerNorm and any weight two units share) is decided by `make_units` (units.py)
@@ -28,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
@@ -42,11 +45,19 @@ class ZeRO3(ZeRO2):
     name = "zero3"
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 units: Sequence[UnitSpec] | None = None, prefetch: bool = True, **kwargs):
+                 units: Sequence[UnitSpec] | None = None, prefetch: bool = True,
+                 quantize_weights: bool = False, secondary_shard_size: int | None = None,
+                 **kwargs):
         self.units = make_units(model, units)  # which parameters each unit gathers, root last
         self.root = self.units[-1]
         super().__init__(model, optimizer_cls, prefetch=prefetch, **kwargs)
         self._unit_of = {b.name: u for u in self.units for b in u.buckets}
+        self.weight_gather = WeightGather(self.name, self.group)
+        if quantize_weights or secondary_shard_size:  # ZeRO++: the same steps, fewer bytes
+            from zerolab.zeropp import ZeroPPGather
+
+            self.weight_gather = ZeroPPGather(self.name, self.group, quantize_weights,
+                                              secondary_shard_size)
 
     # ---- set-up: each unit's shards -----------------------------------------------------------
 
@@ -97,9 +108,7 @@ class ZeRO3(ZeRO2):
             for b in unit.buckets:
                 storage = b.flat_param.untyped_storage()
                 storage.resize_(b.layout.padded_numel * b.flat_param.element_size())
-                unit.gathers.append(comm.all_gather(
-                    b.flat_param, b.local_shard.detach(), tag=f"{self.name}/{phase}/{b.name}",
-                    group=self.group, async_op=async_op))
+                unit.gathers.append(self.weight_gather.gather(b, phase, async_op))
         if async_op:
             return
         for handle in unit.gathers:
@@ -150,11 +159,10 @@ class ZeRO3(ZeRO2):
     def post_forward(self, unit: Unit, output) -> None:
         if unit.in_backward:  # a checkpoint's recompute: keep the unit for its backward
             return
-        if unit is self.root:  # the whole forward is over: leave every unit sharded
-            for u in self.units:
-                self.reshard(u)
-        else:
-            self.reshard(unit)
+        for u in self.units if unit is self.root else [unit]:  # root: the forward is over
+            for b in u.buckets if u.unsharded else []:
+                self.weight_gather.after_forward(b)
+            self.reshard(u)
         for t in tensors_in(output):
             if t.requires_grad:  # fires when the gradient w.r.t. this output is ready
                 t.register_hook(lambda grad, u=unit: self.pre_backward(u))
@@ -171,6 +179,8 @@ class ZeRO3(ZeRO2):
         unit = self._unit_of[bucket.name]
         unit.in_backward = False
         self.reshard(unit)
+        for b in unit.buckets:
+            self.weight_gather.after_backward(b)
 
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:
         order = self.units[:-1]  # the root is gathered for the whole forward: never prefetched
@@ -186,6 +196,8 @@ class ZeRO3(ZeRO2):
         for unit in self.units:  # units with frozen parameters only, and unused prefetches
             unit.in_backward = False
             self.reshard(unit)
+            for b in unit.buckets:
+                self.weight_gather.after_backward(b)
 
     def _after_step(self) -> None:
         """Nothing to gather: the next forward gathers each unit when it needs it."""
@@ -193,7 +205,7 @@ class ZeRO3(ZeRO2):
     def state_tensors(self):
         state = super().state_tensors()
         state["params"] = [t for u in self.units for b in u.buckets
-                           for t in (b.local_shard, b.flat_param)]
+                           for t in (b.local_shard, b.flat_param)] + self.weight_gather.held()
         return state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -203,3 +215,28 @@ class ZeRO3(ZeRO2):
         for unit in self.units:
             self.reshard(unit)
         return state
+
+
+class WeightGather:
+    """How ZeRO-3 moves a unit's weights: an all-gather of every rank's shard, in full precision,
+    over the engine's group. (ZeRO++ moves fewer bytes across nodes: zeropp.py.)"""
+
+    def __init__(self, name: str, group: dist.ProcessGroup | None):
+        self.name = name  # the stage, first part of the comm tags
+        self.group = group
+
+    def gather(self, b, phase: str, async_op: bool) -> comm.Handle:
+        """Fill b.flat_param (padded_numel,) from every rank's b.local_shard (shard_numel,)."""
+        return comm.all_gather(b.flat_param, b.local_shard.detach(),
+                               tag=f"{self.name}/{phase}/{b.name}", group=self.group,
+                               async_op=async_op)
+
+    def after_forward(self, b) -> None:
+        """The unit's forward is over and its full weights are about to be freed."""
+
+    def after_backward(self, b) -> None:
+        """The unit's backward is over."""
+
+    def held(self) -> list[torch.Tensor]:
+        """Weights this object keeps (for measurement)."""
+        return []

@@ -60,7 +60,6 @@ def train(engine_name: str, group: dist.ProcessGroup, device: torch.device, step
 
     for step in range(steps - 1):
         harness.train_step(engine, *batch(step))
-        engine.zero_grad()
     last = harness.measured_step(engine, *batch(steps - 1), memory=False)
     return StageRun(group=dist.get_process_group_ranks(group), held=last.held, log=last.log,
                     state={k: v.cpu() for k, v in engine.full_state_dict().items()},

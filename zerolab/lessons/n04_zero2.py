@@ -68,7 +68,6 @@ def batch(model: GPT, step: int) -> tuple[torch.Tensor, ...]:
 def warm_up(engine: Any, model: GPT) -> None:
     """One untracked step: it creates Adam's state, so that a measured step is steady-state."""
     harness.train_step(engine, *batch(model, 0))
-    engine.zero_grad()
 
 
 def zero2_run(name: str, bucket_bytes: int = BUCKET_BYTES, config: GPTConfig = MODEL

@@ -67,7 +67,6 @@ def trained_one_step(name: str, model: GPT, **kwargs: Any) -> Any:
     """Engine `name` on `model`, after one unmeasured step (which creates Adam's state)."""
     engine = harness.make_engine(name, model, torch.optim.AdamW, lr=LR, **kwargs)
     harness.train_step(engine, *batch(model, 0))
-    engine.zero_grad()
     return engine
 
 

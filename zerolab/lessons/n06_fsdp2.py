@@ -87,7 +87,6 @@ def run_variant(name: str, config: GPTConfig = MODEL, steps: int = STEPS) -> Var
         dist.barrier()  # the ranks start each step together
         start = time.perf_counter()
         harness.train_step(engine, x, y)
-        engine.zero_grad()
         times.append(time.perf_counter() - start)
     # The last step, measured (it starts at a barrier of its own): model-state bytes and the
     # collectives. zerolab's are in the step's log; torch's only the counter sees.

@@ -75,7 +75,6 @@ def states_and_traffic(group: dist.ProcessGroup | None = None) -> ScalingRun:
         engine = harness.make_engine(name, model, torch.optim.AdamW, group=group, lr=LR)
         x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 100, rank, world_size)
         harness.train_step(engine, x, y)
-        engine.zero_grad()
         x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 101, rank, world_size)
         measured = harness.measured_step(engine, x, y, memory=False)
         stages[harness.label(name)] = StageMeasure(measured.held, measured.log.total_bytes())
