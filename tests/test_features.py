@@ -126,7 +126,8 @@ def saved(tmp_path_factory):
 def test_checkpoint_resumes_exactly_at_the_same_world_size(saved):
     root, results = saved
     for strategy in STAGES:
-        assert os.path.exists(os.path.join(root, strategy, "manifest.json"))
+        assert os.path.exists(os.path.join(checkpoint.latest(os.path.join(root, strategy)),
+                                           "manifest.json"))
         for res in results:
             straight, resumed = res[strategy]["straight"], res[strategy]["resumed"]
             assert all(torch.equal(resumed[k], straight[k]) for k in straight), strategy
@@ -167,24 +168,31 @@ def test_a_save_killed_half_way_is_refused(tmp_path):
     folder = str(tmp_path / "ckpt")
     with pytest.raises(zerolab.WorkerError):
         zerolab.launch(F.save_killed_half_way, 2, args=("zero2", KIND, folder), timeout=60)
-    assert os.path.exists(os.path.join(folder, "rank1.pt"))  # a partial folder is left...
-    with pytest.raises(checkpoint.CheckpointError, match="manifest.json is missing"):
-        checkpoint.consolidate(folder)  # ...and refused
+    # A partial version is left (rank 1 wrote its file), and refused.
+    assert os.path.exists(os.path.join(folder, "save-000001", "rank1.pt"))
+    with pytest.raises(checkpoint.CheckpointError,
+                       match="save-000001 did not finish"):
+        checkpoint.consolidate(folder)
 
 
-def test_a_killed_save_over_a_good_checkpoint_is_refused(tmp_path):
+def test_a_save_killed_over_a_good_checkpoint_leaves_the_good_one_loadable(tmp_path):
     folder = str(tmp_path / "ckpt")
     zerolab.launch(F.save_after, 2, args=("zero2", KIND, folder, 1))
-    checkpoint.consolidate(folder)  # complete
+    good = checkpoint.consolidate(folder)
     with pytest.raises(zerolab.WorkerError):
         zerolab.launch(F.save_killed_half_way, 2, args=("zero2", KIND, folder), timeout=60)
-    with pytest.raises(checkpoint.CheckpointError, match="did not finish"):
-        checkpoint.consolidate(folder)
+    assert os.path.exists(os.path.join(folder, "save-000002", "rank1.pt"))  # the crashed one
+    after = checkpoint.consolidate(folder)  # still the first save, whole
+    assert max_diff(after["model"], good["model"]) == 0
+    # The next save goes past the crashed version, and replaces both.
+    zerolab.launch(F.save_after, 2, args=("zero2", KIND, folder, 2))
+    assert sorted(os.listdir(folder)) == ["LATEST", "save-000003"]
+    assert max_diff(checkpoint.consolidate(folder)["model"], good["model"]) > 0
 
 
 def test_a_missing_rank_file_is_refused(tmp_path):
     folder = str(tmp_path / "ckpt")
     zerolab.launch(F.save_after, 2, args=("zero1", KIND, folder, 1))
-    os.remove(os.path.join(folder, "rank1.pt"))
+    os.remove(os.path.join(checkpoint.latest(folder), "rank1.pt"))
     with pytest.raises(checkpoint.CheckpointError, match="rank1.pt is missing"):
         checkpoint.consolidate(folder)

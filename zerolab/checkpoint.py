@@ -11,15 +11,17 @@ that slice. A piece says which parameter names it covers, so a checkpoint does n
 layout that wrote it: loading assembles full per-parameter tensors and each rank cuts its own
 shard under its own layout.
 
-Crash safety: `manifest.json` is written last, atomically, after every rank has written its file;
-saving into an existing checkpoint first removes its manifest. A folder without a manifest is
-refused by `load`, so a save killed half-way can never be mistaken for a complete one.
+Crash safety: each save writes a new version, `ckpt/save-000003/` (every rank its file, then
+rank 0 the manifest), and only then points `ckpt/LATEST` at it, with an atomic rename; older
+versions are deleted after that. A save killed half-way leaves `LATEST` on the previous
+version, which still loads; a folder whose only save never finished is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -28,8 +30,9 @@ from zerolab import comm
 from zerolab.sharding import local_values
 from zerolab.startup import param_names, where
 
-FORMAT = 1
+FORMAT = 2
 MANIFEST = "manifest.json"
+LATEST = "LATEST"  # the name of the last complete version, replaced atomically
 
 
 class CheckpointError(RuntimeError):
@@ -90,18 +93,17 @@ def save(engine, folder: str) -> None:
     tag = f"{engine.name}/checkpoint"
     engine.wait_params()  # parameters gathered asynchronously after step() are complete
     os.makedirs(folder, exist_ok=True)
-    if rank == 0 and os.path.exists(os.path.join(folder, MANIFEST)):
-        os.remove(os.path.join(folder, MANIFEST))  # from now on the folder reads "incomplete"
-    comm.barrier(tag=tag, group=engine.job_group)
+    version = f"save-{1 + max(_versions(folder), default=0):06d}"  # after any crashed one
+    comm.barrier(tag=tag, group=engine.job_group)  # every rank chose before any creates it
+    target = os.path.join(folder, version)
+    os.makedirs(target, exist_ok=True)
     payload = {
         "pieces": [asdict(p) for p in pieces(engine)],
         "buffers": {k: v.detach().clone() for k, v in engine.module.named_buffers()}
         if rank == 0 else {},
     }
-    path = os.path.join(folder, f"rank{rank}.pt")
-    torch.save(payload, path + ".tmp")
-    os.replace(path + ".tmp", path)  # a file is either complete or absent
-    comm.barrier(tag=tag, group=engine.job_group)
+    _write_atomically(os.path.join(target, f"rank{rank}.pt"), lambda f: torch.save(payload, f))
+    comm.barrier(tag=tag, group=engine.job_group)  # every rank's file is complete
     if rank == 0:
         first_name = {p: n for n, p in engine.module.named_parameters()}
         aliases = {n: first_name[p]  # tied weights: every name the model's state_dict uses
@@ -110,10 +112,39 @@ def save(engine, folder: str) -> None:
         manifest = {"format": FORMAT, "strategy": engine.name, "world_size": world_size,
                     "files": [f"rank{r}.pt" for r in range(world_size)],
                     "aliases": aliases}
-        with open(os.path.join(folder, MANIFEST + ".tmp"), "w") as f:
-            json.dump(manifest, f, indent=1)
-        os.replace(os.path.join(folder, MANIFEST + ".tmp"), os.path.join(folder, MANIFEST))
+        _write_atomically(os.path.join(target, MANIFEST),
+                          lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        # The moment the new version counts: before this rename, LATEST names the old one.
+        _write_atomically(os.path.join(folder, LATEST), lambda f: f.write(version.encode()))
+        for old in _versions(folder):
+            if f"save-{old:06d}" != version:
+                shutil.rmtree(os.path.join(folder, f"save-{old:06d}"), ignore_errors=True)
     comm.barrier(tag=tag, group=engine.job_group)
+
+
+def _versions(folder: str) -> list[int]:
+    """The numbers of the save-NNNNNN folders in `folder` (complete or not)."""
+    return [int(n[5:]) for n in os.listdir(folder) if n.startswith("save-") and n[5:].isdigit()]
+
+
+def _write_atomically(path: str, write) -> None:
+    """The file at `path` is either the old one or complete: written aside, then renamed."""
+    with open(path + ".tmp", "wb") as f:
+        write(f)
+    os.replace(path + ".tmp", path)
+
+
+def latest(folder: str) -> str:
+    """The folder of the last complete save in `folder`."""
+    pointer = os.path.join(folder, LATEST)
+    if not os.path.exists(pointer):
+        started = sorted(_versions(folder)) if os.path.isdir(folder) else []
+        raise CheckpointError(
+            f"{folder} holds no complete checkpoint: {LATEST} is missing" +
+            (f", and the save that made save-{started[-1]:06d} did not finish." if started
+             else "."))
+    with open(pointer) as f:
+        return os.path.join(folder, f.read().strip())
 
 
 def consolidate(folder: str) -> dict:
@@ -122,12 +153,8 @@ def consolidate(folder: str) -> dict:
     "model" holds every parameter (by its first name, tied weights once) and buffer;
     "optimizer" holds, per trainable parameter, its full optimizer state.
     """
-    manifest_path = os.path.join(folder, MANIFEST)
-    if not os.path.exists(manifest_path):
-        raise CheckpointError(
-            f"{folder} is not a complete checkpoint: {MANIFEST} is missing. A save writes it "
-            f"last, so the save that made this folder did not finish.")
-    with open(manifest_path) as f:
+    folder = latest(folder)
+    with open(os.path.join(folder, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT:
         raise CheckpointError(f"{folder}: unknown checkpoint format {manifest.get('format')}")
