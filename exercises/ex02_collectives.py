@@ -43,22 +43,19 @@ def ring_reduce_scatter(tensor: torch.Tensor, rank: int, world_size: int,
                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Exercise 2.1: Reduce-scatter as a ring of sends and receives.
 
-    tensor: (world_size * k,), different on every rank; think of it as world_size chunks of k.
-    Return (k,): chunk number `rank` summed over all ranks (what
-    dist.reduce_scatter_tensor gives this rank). Leave `tensor` unchanged.
-
-    The ring runs world_size - 1 steps. In each, every rank sends one chunk (the running sum
-    it holds for that chunk) to the next rank with `ring_exchange`, and adds the chunk it
-    receives from the previous rank into its own copy of that chunk. At step s, rank r sends
-    chunk (r - s - 1) % world_size and receives chunk (r - s - 2) % world_size. After the
-    last step chunk r has collected every rank's contribution. Each rank sends world_size - 1
-    chunks: (N-1)/N of the tensor's bytes.
-
-    Example (the seeds' 3 ranks): rank r holds chunks [(r+1)*1, (r+1)*2] ** (j+1), j = 0, 1, 2;
+    Inputs: tensor: (world_size * k,), different on every rank: world_size chunks of k.
+    Returns: (k,): chunk number `rank` summed over all ranks (what
+    dist.reduce_scatter_tensor gives this rank).
+    Must: leave `tensor` unchanged; talk to the other ranks only through `ring_exchange`
+    (one chunk to the next rank and one from the previous per call); send world_size - 1
+    chunks in all: (N-1)/N of the tensor's bytes.
+    Example (3 ranks; rank r holds chunks [(r+1)*1, (r+1)*2] ** (j+1), j = 0, 1, 2):
     rank 0 returns [6, 12], rank 1 [14, 56], rank 2 [36, 288].
+    Graded on: 1, 2 and 3 ranks, chunks of 1 to 3 elements: the result on every rank,
+    `tensor` afterwards, and the zerolab.comm ops called (send and recv only) and bytes sent.
 
-    Hint: chunks = tensor.clone().chunk(world_size) gives views of one copy; receive into a
-    fresh torch.empty_like(chunk) and add it. Use a tag per step, e.g. f"ex2.1/step{s}".
+    Hint: draw 3 ranks and their 3 chunks. Which chunk must each rank send first so that,
+    after N-1 steps, rank r holds the complete sum of chunk r?
     """
     raise NotImplementedError("Exercise 2.1: Reduce-scatter as a ring of sends and receives.")
 
@@ -67,16 +64,16 @@ def ring_all_gather(shard: torch.Tensor, rank: int, world_size: int,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Exercise 2.2: All-gather as a ring of sends and receives.
 
-    shard: (k,), this rank's piece. Return (world_size * k,): every rank's shard, in rank
-    order, the same on every rank (what dist.all_gather_into_tensor gives).
+    Inputs: shard: (k,), this rank's piece, different on every rank.
+    Returns: (world_size * k,) of the shard's dtype: every rank's shard in rank order (rank
+    j's at elements j*k to (j+1)*k), the same on every rank (what
+    dist.all_gather_into_tensor gives).
+    Must: leave `shard` unchanged; talk to the other ranks only through `ring_exchange`;
+    send world_size - 1 shards in all: (N-1)/N of the output's bytes.
+    Graded on: 1, 2 and 3 ranks, shards of 1, 2, 3 (float64) and 5 elements: the result,
+    `shard` afterwards, and the zerolab.comm ops called (send and recv only) and bytes sent.
 
-    The ring runs world_size - 1 steps. In each, every rank sends the shard it received in
-    the previous step (its own in the first step) to the next rank with `ring_exchange`.
-    At step s, rank r sends shard (r - s) % world_size and receives shard
-    (r - s - 1) % world_size. Each rank sends world_size - 1 shards: (N-1)/N of the output.
-
-    Hint: out = torch.empty(world_size * k); chunks = out.chunk(world_size) are views into it;
-    copy your shard into chunks[rank], then receive each shard straight into its chunk.
+    Hint: a rank may pass on a shard it has just received. Which one does it send first?
     """
     raise NotImplementedError("Exercise 2.2: All-gather as a ring of sends and receives.")
 
@@ -85,18 +82,19 @@ def all_reduce_mean(tensor: torch.Tensor, rank: int, world_size: int,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Exercise 2.3: All-reduce = reduce-scatter + all-gather, for a tensor of any size.
 
-    tensor: any shape, any numel (not always a multiple of world_size), different on every
-    rank. Return a new tensor of the same shape: the mean over the ranks (what all_reduce
-    with op=avg gives), computed as zerolab.comm.reduce_scatter (op="avg") followed by
-    zerolab.comm.all_gather, which is how the ring all-reduce works: each rank sends
-    2(N-1)/N of the bytes, half in each collective.
+    Inputs: tensor: any shape, any numel (not always a multiple of world_size), different
+    on every rank.
+    Returns: a new tensor of the same shape and dtype: the mean over the ranks (what
+    all_reduce with an average gives).
+    Must: leave `tensor` unchanged; compute it with zerolab.comm.reduce_scatter followed by
+    zerolab.comm.all_gather (with tags and `group`), each on world_size equal chunks, as
+    small as they can be. That is the ring all-reduce: each rank sends 2(N-1)/N of the
+    (padded) bytes, half in each collective.
+    Graded on: shapes (1,), (5, 3), (2 * world_size,), (2, 3, 4) and (5,) in float64, on 1, 2
+    and 3 ranks: the result, `tensor` afterwards, the ops called and the bytes sent.
 
-    Both collectives need world_size equal chunks: flatten the tensor, pad it with zeros to a
-    multiple of world_size, and strip the padding off the gathered result.
-
-    Hint: with k = ceil(numel / world_size), comm.reduce_scatter(mine, padded, op="avg",
-    tag=..., group=group) reads padded (world_size * k,) and fills mine (k,);
-    comm.all_gather(full, mine, tag=..., group=group) fills full (world_size * k,).
+    Hint: both collectives need world_size equal chunks. What do you do when numel does not
+    divide by world_size, and what do you undo at the end?
     """
     raise NotImplementedError(
         "Exercise 2.3: All-reduce = reduce-scatter + all-gather, for a tensor of any size.")

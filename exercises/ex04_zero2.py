@@ -26,20 +26,20 @@ def reduce_scatter_bucket(params: list[torch.Tensor], grad_shard: torch.Tensor, 
     """Exercise 4.1: The ZeRO-2 hook: reduce-scatter a bucket, keep your shard, free the rest.
 
     Runs during backward, as soon as every parameter of a bucket has its gradient.
-    params: the bucket's parameters, each with a full .grad (this rank's, the param's shape).
-    grad_shard: (shard_numel,), this rank's shard of the bucket's averaged gradient so far,
-    in the flat padded layout of the bucket (3.1). It is not zero when gradients are being
+    Inputs: params: the bucket's parameters, each with a full .grad (this rank's, of the
+    param's shape). grad_shard: (shard_numel,), this rank's shard of the bucket's averaged
+    gradient so far, in the bucket's flat padded layout (3.1); not zero when gradients are
     accumulated over several micro-batches.
+    Returns: nothing. Afterwards: grad_shard (the caller's tensor, changed in place) holds
+    its value before plus this rank's shard of the bucket's gradient averaged over the
+    ranks; every p.grad is None (the full gradients are freed: ZeRO-2's saving); the params'
+    values are unchanged.
+    Must: talk to the other ranks through zerolab.comm (a tag, `group`), sending (N-1)/N of
+    the bucket's padded gradient bytes.
+    Graded on: the groups of 3.1 on 1, 2 and 3 ranks, grad_shard holding an earlier
+    micro-batch: grad_shard, the .grad attributes, the params, the ops called, bytes sent.
 
-    1. Flatten the .grads into one padded buffer (padded_numel,).
-    2. Reduce-scatter it with op="avg" (zerolab.comm, a tag, `group`) into a new (shard_numel,).
-    3. Add that into grad_shard, in place.
-    4. Free the full gradients: p.grad = None for every parameter. This is the saving of
-       ZeRO-2: only one bucket's full gradients are ever alive at once.
-    Returns nothing: the results are grad_shard (changed in place) and the freed .grad.
-
-    Hint: zerolab.sharding's FlatLayout.of(params, world_size) and flatten(tensors, layout);
-    `grad_shard += received` changes it in place, `grad_shard = ...` would not.
+    Hint: which collective leaves each rank with the averaged gradient of its shard only?
     """
     raise NotImplementedError(
         "Exercise 4.1: The ZeRO-2 hook: reduce-scatter a bucket, keep your shard, free the rest.")

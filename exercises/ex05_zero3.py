@@ -25,14 +25,19 @@ def unshard(local_shard: torch.Tensor, shapes: list[torch.Size], rank: int, worl
             group: dist.ProcessGroup | None = None) -> list[torch.Tensor]:
     """Exercise 5.1: ZeRO-3's unshard: gather a unit's full parameters from every rank's shard.
 
-    local_shard: (shard_numel,), this rank's shard of the unit's flat padded parameters
-    (3.1's layout: parameters end to end, zero padding at the end, shard r = the r-th
-    shard_numel elements). shapes: the unit's parameter shapes, in order.
-    Return one tensor per shape, the same on every rank: views into one gathered flat buffer
-    of world_size * shard_numel elements, the padding left out.
+    Inputs: local_shard: (shard_numel,), this rank's shard of a unit's flat padded
+    parameters (3.1's layout). shapes: the unit's parameter shapes, in order.
+    Returns: one tensor per shape, with that shape and local_shard's dtype, the same values
+    on every rank: views into one gathered flat buffer of world_size * shard_numel elements
+    (the padding left out), so that 5.2 frees them all by freeing that one buffer.
+    Must: leave local_shard unchanged; talk to the other ranks through zerolab.comm (a tag,
+    `group`), sending (N-1)/N of the gathered buffer's bytes.
+    Graded on: the groups of 3.1 (one in float64) on 1, 2 and 3 ranks: the tensors, the
+    storages behind them (one, of world_size * shard_numel elements), local_shard
+    afterwards, the ops called and bytes sent.
 
-    Hint: comm.all_gather(flat, local_shard, tag=..., group=group) fills flat
-    (world_size * shard_numel,); then cut it into views as in 3.2.
+    Hint: which collective brings every rank's shard to every rank, and where in its output
+    does parameter 0 start?
     """
     raise NotImplementedError(
         "Exercise 5.1: ZeRO-3's unshard: gather a unit's full parameters from every rank's shard.")
@@ -41,18 +46,20 @@ def unshard(local_shard: torch.Tensor, shapes: list[torch.Size], rank: int, worl
 def reshard(params: list[nn.Parameter], flat_param: torch.Tensor) -> None:
     """Exercise 5.2: ZeRO-3's reshard: free a unit's gathered parameters, in place.
 
-    flat_param: (padded_numel,), the unit's gathered flat buffer. params: the unit's
-    parameters; their .data are views into flat_param (what 5.1 returned). Free the memory:
-    afterwards the storage behind flat_param must hold 0 bytes, and every parameter must be
-    an empty tensor (numel 0, same dtype) so that nothing reads stale values. (This rank's
-    own shard lives in another tensor and is kept.)
+    Inputs: flat_param: (padded_numel,), the unit's gathered flat buffer. params: the unit's
+    parameters; their .data are views into flat_param (what 5.1 returned). A forward may
+    have run: autograd then keeps views of the parameters for backward, and they point into
+    flat_param's storage too. (This rank's own shard lives in another tensor and is kept.)
+    Returns: nothing. Afterwards: the storage flat_param had holds 0 bytes, whoever still
+    points at it; flat_param keeps its shape and that storage (the next unshard grows it
+    back and refills it in place); every parameter is an empty tensor (numel 0, same dtype)
+    so that nothing reads stale values.
+    Graded on: the groups of 3.1 in float32 and float64, with and without a forward's saved
+    views: the bytes still held by flat_param, the parameters and autograd's saved views;
+    the parameters' numel and dtype; flat_param's shape and storage.
 
-    Dropping a reference (`del flat_param`) frees nothing while the parameters' views, or
-    tensors autograd saved for backward, still point at the storage: shrink the storage
-    itself, and it can be grown and refilled in place by the next unshard.
-
-    Hint: a storage can be resized in place: t.untyped_storage().resize_(nbytes). A
-    parameter's tensor is replaced by assigning its .data.
+    Hint: dropping or replacing a reference frees nothing while other tensors point at the
+    same storage. What can you shrink instead?
     """
     raise NotImplementedError(
         "Exercise 5.2: ZeRO-3's reshard: free a unit's gathered parameters, in place.")

@@ -28,16 +28,18 @@ from zerolab import comm
 def dim0_shard(param: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     """Exercise 6.1: FSDP2's shard of one parameter: some of its rows (dim 0).
 
-    param: (rows, *rest). FSDP2 cuts dim 0 the way torch.chunk does: every rank gets
-    ceil(rows / world_size) rows, except the last ranks, which get what is left: fewer rows,
-    or none. Return this rank's rows, (rows_r, *rest), as a new tensor without padding
-    (what the local tensor of FSDP2's sharded parameter holds).
+    Inputs: param: (rows, *rest). rank, world_size.
+    Returns: this rank's rows as FSDP2 cuts dim 0 (torch.chunk's rule): every rank gets
+    ceil(rows / world_size) rows, except the last ranks, which get what is left: fewer
+    rows, or none (shape (0, *rest)). A new tensor of its own holding just those rows (not a
+    view of param), without padding: what the local tensor of FSDP2's sharded parameter
+    holds.
+    Must: leave param unchanged.
+    Example: 10 rows on 4 ranks: 3, 3, 3 and 1 rows. 2 rows on 3 ranks: 1, 1 and 0 rows.
+    Graded on: shapes (10, 3), (2, 4), (7,), (1,), (6, 2) on every rank of 1 to 4: the rows,
+    the memory behind them, param afterwards.
 
-    Example: 10 rows on 4 ranks: 3, 3, 3 and 1 rows. 2 rows on 3 ranks: 1, 1 and 0 rows
-    (rank 2's shard has shape (0, *rest)).
-
-    Hint: rows_per_rank = ceil(rows / world_size); rank r's rows start at
-    r * rows_per_rank; clamp the start and the end to rows.
+    Hint: where does rank r's first row sit, and what if that is past the last row?
     """
     raise NotImplementedError(
         "Exercise 6.1: FSDP2's shard of one parameter: some of its rows (dim 0).")
@@ -48,19 +50,20 @@ def full_state_dict(shards: dict[str, torch.Tensor], rows: dict[str, int], rank:
                     ) -> dict[str, torch.Tensor]:
     """Exercise 6.2: A full state dict from FSDP2-style dim-0 shards, on every rank.
 
-    shards: name -> this rank's rows of that parameter, (rows_r, *rest) as in 6.1 (the last
-    ranks may hold fewer rows, or none). rows: name -> the full parameter's number of rows.
-    Return name -> the full parameter, (rows, *rest), the same on every rank: what saving a
-    checkpoint needs (FSDP2: get_model_state_dict with full_state_dict=True).
+    Inputs: shards: name -> this rank's rows of that parameter, (rows_r, *rest), cut as in
+    6.1 (the last ranks may hold fewer rows, or none). rows: name -> the full parameter's
+    number of rows.
+    Returns: name -> the full parameter, (rows, *rest) of the shard's dtype, the same on
+    every rank: what saving a checkpoint needs (FSDP2: get_model_state_dict with
+    full_state_dict=True).
+    Must: leave the shards unchanged; talk to the other ranks through zerolab.comm (tags,
+    `group`); every rank must issue the same collectives, with the same sizes, in the same
+    order.
+    Graded on: a small model (the last ranks hold fewer rows, or none) and a (5, 2, 2)
+    float64 parameter, on 1, 2 and 3 ranks: every full tensor, the shards afterwards.
 
-    All-gather needs the same size on every rank: pad each shard with zero rows to
-    rows_per_rank = ceil(rows / world_size), gather, then drop the padding rows. Every rank
-    must issue the same collectives in the same order (loop over the names in order).
-
-    Hint: padded = torch.zeros(rows_per_rank, *rest); padded[:len(shard)] = shard;
-    comm.all_gather(out, padded.reshape(-1), tag=..., group=group) with
-    out = torch.empty(world_size * padded.numel()); then
-    out.view(world_size * rows_per_rank, *rest)[:rows].
+    Hint: a collective needs the same size on every rank. What can the ranks holding fewer
+    rows do about it?
     """
     raise NotImplementedError(
         "Exercise 6.2: A full state dict from FSDP2-style dim-0 shards, on every rank.")

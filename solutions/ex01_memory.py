@@ -14,19 +14,17 @@ def model_state_bytes(num_params: float, world_size: int, stage: str, param_byte
                       grad_bytes: float = 4, optimizer_bytes: float = 8) -> dict[str, float]:
     """Exercise 1.1: Bytes of parameters, gradients and optimizer state that one rank holds.
 
-    Ψ = num_params parameters are trained on N = world_size ranks. Each parameter costs
-    `param_bytes` (4 in fp32), its gradient `grad_bytes` (4 in fp32) and its optimizer state
-    `optimizer_bytes` (K: 8 for Adam's m and v in fp32; 12 in mixed precision, where the
-    optimizer also keeps fp32 master weights). DDP keeps all three whole on every rank. Each
-    ZeRO stage shards one more of them over the N ranks (each rank keeps 1/N):
-    ZeRO-1 the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the parameters.
+    Inputs: Ψ = num_params parameters, trained on N = world_size ranks at `stage` (one of
+    STAGES). Each parameter costs `param_bytes`, its gradient `grad_bytes` and its optimizer
+    state `optimizer_bytes` (K: 8 for Adam's m and v in fp32; 12 in mixed precision).
+    Returns: {"params": .., "grads": .., "optimizer": ..}: the bytes of each that one rank
+    holds, as floats (Ψ/N need not be whole; ignore padding).
+    Example: Ψ = 7e9, N = 8, "DDP", fp32 Adam (4, 4, 8) -> {"params": 28e9, "grads": 28e9,
+    "optimizer": 56e9}: 112 GB on every rank.
+    Graded on: every stage; N = 1, 8 and 64; Ψ = 7e9 and 1001; fp32 (4, 4, 8) and mixed
+    (2, 2, 12) byte counts. Each of the three values is compared.
 
-    stage: one of STAGES. Returns {"params": .., "grads": .., "optimizer": ..} in bytes (floats:
-    Ψ/N need not be whole; ignore padding).
-    Example: Ψ = 7e9, N = 8, "ZeRO-2", fp32 Adam -> {"params": 28e9, "grads": 3.5e9,
-    "optimizer": 7e9}: 38.5 GB in all, against 112 GB for DDP.
-
-    Hint: STAGES.index(stage) (0 to 3) says how many of the three categories are sharded.
+    Hint: what does each stage shard over the ranks, and what stays whole on every rank?
     """
     # BEGIN SOLUTION
     level = STAGES.index(stage)
@@ -42,17 +40,20 @@ def model_state_bytes(num_params: float, world_size: int, stage: str, param_byte
 def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
     """Exercise 1.2: Bytes of memory behind `tensors`, each storage counted once.
 
-    A view (a slice, a reshape, a parameter that points into a flat buffer) shares the storage
-    of the tensor it was taken from, and a tied weight is the same tensor listed twice: adding
-    up numel * element_size per tensor counts that memory several times. Count every storage
-    (t.untyped_storage()) once, and count all of it: a small view keeps its whole storage
-    alive. A freed storage (0 bytes) counts 0.
-
-    tensors: any shapes and dtypes, on the CPU. Returns bytes, an int.
+    Inputs: tensors: any shapes and dtypes, on the CPU. Some may be views of others (slices,
+    reshapes, parameters pointing into a flat buffer), the same tensor listed twice (a tied
+    weight), or a tensor whose storage was freed (resized to 0 bytes).
+    Returns: an int, the bytes of memory these tensors keep alive: every storage counted
+    once, and all of it (a small view keeps its whole storage alive; a freed one holds 0).
+    Must: leave the tensors unchanged. (Do not read the values of a tensor whose storage was
+    freed: that can crash the process.)
     Example: a (12,) float32 buffer and three (4,) views into it -> 48, not 96.
+    Graded on: views of one buffer, a tied weight, a (2,) slice of a (100,) tensor, a freed
+    storage, parameters in a flat buffer with gradients apart, mixed dtypes; the tensors
+    afterwards.
 
-    Hint: two tensors share a storage when their t.untyped_storage().data_ptr() are equal;
-    a storage's size is t.untyped_storage().nbytes().
+    Hint: every tensor has a storage, t.untyped_storage(): how can you tell that two tensors
+    share one, and how big it is?
     """
     # BEGIN SOLUTION
     seen: set[int] = set()

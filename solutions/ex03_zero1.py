@@ -19,17 +19,22 @@ from zerolab.sharding import FlatLayout, flatten, shard, unflatten
 def flat_shard(tensors: list[torch.Tensor], rank: int, world_size: int) -> torch.Tensor:
     """Exercise 3.1: This rank's shard of a group of tensors laid end to end and padded.
 
-    tensors: any shapes, one dtype; numel = their elements together. Lay them end to end in
-    one flat buffer, pad it with zeros at the end to padded_numel = ceil(numel / world_size)
-    * world_size elements, and split it into world_size equal shards. Return shard `rank`:
-    a new 1-D tensor of shard_numel = padded_numel // world_size elements.
-    (zerolab.sharding does this for the engines; write it yourself here.)
+    Inputs: tensors: any shapes, one dtype; numel = their elements together. rank,
+    world_size.
+    Returns: a new 1-D tensor of shard_numel = ceil(numel / world_size) elements, of the
+    tensors' dtype: shard `rank` of the flat buffer (the tensors flattened and laid end to
+    end, in order) padded with zeros at its end to world_size * shard_numel elements; shard
+    r is the r-th run of shard_numel elements. (zerolab.sharding does this for the engines;
+    write it yourself here.)
+    Must: leave the tensors unchanged; return memory of its own holding just the shard (not
+    a view of an input, nor of a bigger buffer, which would keep all of it alive).
+    Example: numels 6, 3 and 1 (numel 10) on 4 ranks: shard_numel 3; rank 0 gets elements
+    0-2 and rank 3 gets [element 9, 0, 0].
+    Graded on: uneven groups (padded on 3 and 4 ranks), fewer elements than ranks, float32
+    and float64; every rank of 1 to 4: the shard, the memory behind it, the tensors
+    afterwards.
 
-    Example: numels 6, 3 and 1 (numel 10) on 4 ranks: padded_numel 12, shard_numel 3;
-    rank 0 gets elements 0-2 and rank 3 gets [element 9, 0, 0].
-
-    Hint: torch.cat([t.reshape(-1) for t in tensors]) is the flat buffer; copy it into
-    torch.zeros(padded_numel) to pad it.
+    Hint: how many zeros must the flat buffer get so that world_size shards are equal?
     """
     # BEGIN SOLUTION
     flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -43,16 +48,16 @@ def flat_shard(tensors: list[torch.Tensor], rank: int, world_size: int) -> torch
 def unflatten_shards(shards: list[torch.Tensor], shapes: list[torch.Size]) -> list[torch.Tensor]:
     """Exercise 3.2: The inverse of 3.1: the original tensors from every rank's shard.
 
-    shards: world_size tensors of shard_numel elements, in rank order (what an all-gather
-    brings back). shapes: the original tensors' shapes, in order. Return one tensor per
-    shape, with that shape, holding its elements; the padding at the end is left out.
+    Inputs: shards: world_size tensors of shard_numel elements, in rank order (what an
+    all-gather of 3.1's shards brings back). shapes: the original tensors' shapes, in order.
+    Returns: one tensor per shape, with that shape and the shards' dtype, holding its
+    elements; the padding is left out.
+    Must: leave the shards unchanged.
+    Example: shards [a0 a1 a2], [a3 a4 a5], [b0 b1 b2], [c0 0 0] and shapes (2, 3), (3,),
+    (1,) give [[a0 a1 a2], [a3 a4 a5]], [b0 b1 b2], [c0].
+    Graded on: the groups of 3.1 on 1 to 4 ranks: every tensor, the shards afterwards.
 
-    Example: shards [a0 a1 a2], [a3 a4 a5], [b0 b1 b2], [c0 0 0] and shapes (2, 3), (3,), (1,)
-    give [[a0 a1 a2], [a3 a4 a5]], [b0 b1 b2], [c0].
-
-    Hint: concatenate the shards, then walk an offset along the flat buffer: tensor i is
-    flat[offset:offset + numel_i].view(shape_i), and the offset moves on by numel_i
-    (torch.Size(shape).numel()).
+    Hint: in the flat buffer, where does tensor i start?
     """
     # BEGIN SOLUTION
     flat = torch.cat(shards)
@@ -71,21 +76,22 @@ def zero1_sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor],
                    ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Exercise 3.3: One ZeRO-1 step of SGD with momentum, on this rank's shard only.
 
-    params: the model's parameters (any shapes), the same on every rank. grads: this rank's
-    gradients, same shapes, different on every rank. momentum: (shard_numel,), this rank's
-    shard of the momentum buffer, the only optimizer state it keeps. Shards use the flat
-    padded layout of 3.1 (zerolab.sharding: FlatLayout, flatten, shard, unflatten).
+    Inputs: params: the model's parameters (any shapes), the same on every rank. grads:
+    this rank's gradients, the same shapes, different on every rank. momentum:
+    (shard_numel,), this rank's shard of the momentum buffer in 3.1's flat padded layout of
+    the params: the only optimizer state a rank keeps. lr, beta: the update is
+    m = beta * m + g, then p = p - lr * m, where g is the gradient averaged over the ranks.
+    Returns: (the new parameters: a list of tensors with the params' shapes, the same on
+    every rank; this rank's new momentum shard, (shard_numel,)).
+    Must: leave params, grads and momentum unchanged (return new tensors); keep and update
+    only this rank's shard of the optimizer state; talk to the other ranks through
+    zerolab.comm (with tags and `group`), sending what ZeRO-1 sends: 2(N-1)/N of the padded
+    flat buffer's bytes, as much as DDP's all-reduce.
+    Graded on: the groups of 3.1 on 1, 2 and 3 ranks: both outputs, the inputs afterwards,
+    the ops called and bytes sent.
 
-    1. Reduce-scatter the flat gradients with op="avg": this rank receives (shard_numel,),
-       the average over ranks of its own shard only (an all-reduce would send twice as much).
-    2. Update the shard: momentum = beta * momentum + grad; param_shard -= lr * momentum.
-    3. All-gather the updated shards: every rank gets the full new parameters.
-    Return (the new parameters, a list with the params' shapes; the new momentum shard).
-    Use zerolab.comm.reduce_scatter and zerolab.comm.all_gather, with tags and `group`.
-
-    Hint: layout = FlatLayout.of(params, world_size); flatten(grads, layout) is the
-    (padded_numel,) flat gradient; shard(flat, layout, rank) is this rank's (shard_numel,)
-    view; unflatten(flat, layout) gives the tensors back.
+    Hint: a rank updates only its own shard. Which collective gives it just the averaged
+    gradient of that shard, and which one brings the updated shards to everyone?
     """
     # BEGIN SOLUTION
     layout = FlatLayout.of(params, world_size)

@@ -17,17 +17,21 @@ def largest_model(memory_bytes: float, world_size: int, stage: str,
                   precision: str = "fp32") -> int:
     """Exercise 7.1: The largest model whose model states fit in each rank's memory.
 
-    memory_bytes: what one rank may use for model states. world_size: N ranks. stage: one of
-    STAGES. precision: "fp32" (params 4, grads 4, Adam K = 8 bytes per parameter) or "mixed"
-    (the paper's 2 + 2 + K = 12: fp32 master weights, m and v); see PRECISION_BYTES.
-    Return the largest whole number of parameters Ψ whose params + grads + optimizer state per
-    rank fit in memory_bytes (as in 1.1: ZeRO-1 shards the optimizer state, ZeRO-2 also the
-    gradients, ZeRO-3 also the parameters; ignore activations and padding).
+    Inputs: memory_bytes: what one rank may use for model states. world_size: N ranks.
+    stage: one of STAGES. precision: "fp32" (params 4, grads 4, Adam's K = 8 bytes per
+    parameter) or "mixed" (the paper's 2 + 2 + K = 12: fp32 master weights, m and v); see
+    PRECISION_BYTES.
+    Returns: an int: the largest whole number of parameters Ψ whose params + grads +
+    optimizer state on one rank (sharded as in 1.1; ignore activations and padding) fit in
+    memory_bytes.
+    Example: 80 GB (80e9 bytes) on 8 ranks, "ZeRO-3", "mixed" -> 40e9 parameters; the same
+    with DDP: 5e9.
+    Graded on: 80e9 and 24e9 bytes, and a few hundred bytes (where a fraction of a
+    parameter is left over); N = 1, 8 and 64; every stage; both precisions. Compared
+    exactly.
 
-    Example: 80 GB (80e9 bytes) on 8 ranks, "ZeRO-3", "mixed": 16 bytes per parameter / 8 =
-    2 bytes per parameter per rank -> 40e9 parameters. The same with DDP: 5e9.
-
-    Hint: the bytes per rank are (bytes per parameter per rank) * Ψ; math.floor the quotient.
+    Hint: one rank holds Ψ times (the bytes one parameter costs on that rank). Which whole Ψ
+    is the largest that fits?
     """
     # BEGIN SOLUTION
     param_bytes, grad_bytes, k = PRECISION_BYTES[precision]
@@ -43,18 +47,17 @@ def ring_time(nbytes: float, world_size: int, op: str, bandwidth: float,
               latency: float) -> float:
     """Exercise 7.2: How long a ring collective takes, by the latency-bandwidth model.
 
-    nbytes: S, the full tensor's bytes. op: "all_reduce", "reduce_scatter" or "all_gather".
-    bandwidth: bytes per second one link carries; latency: seconds each message costs.
-    A ring reduce-scatter or all-gather over N ranks runs N - 1 steps, an all-reduce 2(N - 1)
-    (a reduce-scatter then an all-gather). In a step every rank sends one chunk of S/N bytes
-    to its neighbour, all at once, so a step takes latency + (S/N) / bandwidth.
-    Return the seconds (0.0 on one rank).
+    Inputs: nbytes: S, the full tensor's bytes. world_size: N ranks in a ring. op:
+    "all_reduce", "reduce_scatter" or "all_gather". bandwidth: bytes per second one link
+    carries; latency: seconds each message costs.
+    Returns: the seconds, a float (0.0 on one rank). In the model, the ring runs in steps;
+    in each, every rank sends one message to its neighbour, all at once, and a step costs
+    latency + (the message's bytes) / bandwidth.
+    Example: an all-reduce of 28e9 bytes (7B fp32 gradients) on 8 ranks, 100e9 B/s, no
+    latency: 0.49 s.
+    Graded on: S = 28e9 and 1000 bytes; N = 1, 2, 3 and 8; each op; latency 0 and 5 µs.
 
-    Example: all-reduce of 28e9 bytes (7B fp32 gradients) on 8 ranks, 100e9 B/s, no
-    latency: 14 steps of 3.5e9 bytes: 0.49 s.
-
-    Hint: the bytes each rank sends, steps * S/N, approach 2S for an all-reduce however many
-    ranks there are: the time hardly grows with N, until the latency term dominates.
+    Hint: how many steps does each ring collective take, and how big is one message?
     """
     # BEGIN SOLUTION
     steps = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[op] * (world_size - 1)

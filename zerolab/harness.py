@@ -143,7 +143,9 @@ def measured_step(engine: Any, x: torch.Tensor, y: torch.Tensor, *, memory: bool
     its own (the blocks, to see a gather wait for its block) instead of one "forward" span.
     The memory tracker inspects every op: keep it off where the timing matters.
     """
-    group = engine.job_group
+    # The recorder lines up the clocks of the engine's whole job (HSDP's spans several groups;
+    # an engine a learner wrote may only know its group).
+    group = getattr(engine, "job_group", getattr(engine, "group", None))
     tracker = track_memory(engine.state_tensors) if memory else contextlib.nullcontext()
     with comm.record_comm(group) as log, tracker as trace:
         hooks = _span_hooks(forward_spans, log)

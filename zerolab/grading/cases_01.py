@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from zerolab.grading.exercise import Case, Exercise
-from zerolab.grading.inputs import STAGES, _fixed
+from zerolab.grading.inputs import STAGES, _fixed, _stage_moved
+from zerolab.grading.mistakes import Evidence, Mistake, any_of, matches, solution_with
 
 
 def _cases_1_1() -> list[Case]:
@@ -18,6 +21,18 @@ def _cases_1_1() -> list[Case]:
                                       f"(param, grad, optimizer)=({p}, {g}, {k})",
                                       _fixed(num_params, n, stage, p, g, k)))
     return cases
+
+
+def _other_stage(step: int) -> Mistake:
+    """The numbers of the stage `step` stages later (1) or earlier (-1)."""
+    more = "more" if step > 0 else "fewer"
+    return Mistake(
+        f"one category sharded too {'many' if step > 0 else 'few'}: "
+        f"the numbers of {'the next' if step > 0 else 'the previous'} stage",
+        f"You sharded {more} categories than this stage does. ZeRO-1 shards only the "
+        f"optimizer state; ZeRO-2 the gradients too; ZeRO-3 the parameters too. What is not "
+        f"sharded stays whole on every rank.",
+        matches(solution_with(_stage_moved(step))))
 
 
 def _cases_1_2() -> list[Case]:
@@ -55,15 +70,60 @@ def _cases_1_2() -> list[Case]:
             Case("float16, int64 and float32 tensors", dtypes)]
 
 
+def _counted(key: str, size: str) -> Callable[[Evidence], int]:
+    """A wrong count: tensors deduplicated by `key` ("storage", "view start", "none"), each
+    counted by `size` ("storage": its storage's bytes, "view": numel * element_size)."""
+    def count(ev: Evidence) -> int:
+        seen, total = set(), 0
+        for i, t in enumerate(ev.inputs()[0]):
+            k = {"storage": t.untyped_storage().data_ptr(), "view start": t.data_ptr(),
+                 "none": i}[key]
+            if k not in seen:
+                seen.add(k)
+                total += (t.untyped_storage().nbytes() if size == "storage"
+                          else t.numel() * t.element_size())
+        return total
+    return count
+
+
 EXERCISES = [
     Exercise("1.1", "ex01_memory", "model_state_bytes",
              "model-state bytes per rank for DDP and ZeRO-1/2/3, from the formulas",
              "ZeRO-1 shards only the optimizer state, ZeRO-2 the optimizer state and the "
-             "gradients, ZeRO-3 all three; what is not sharded is whole on every rank.",
-             _cases_1_1),
+             "gradients, ZeRO-3 all three; sharded means each rank holds 1/N of it, and what "
+             "is not sharded is whole on every rank.",
+             _cases_1_1,
+             hints=("STAGES.index(stage), 0 to 3, counts how many of the three categories are "
+                    "sharded, in the order optimizer state, gradients, parameters: divide "
+                    "those by N.",),
+             mistakes=(_other_stage(1), _other_stage(-1))),
     Exercise("1.2", "ex01_memory", "distinct_storage_bytes",
              "measuring memory: count each storage once (views, tied weights, freed storage)",
-             "Key on t.untyped_storage().data_ptr() and add t.untyped_storage().nbytes(), "
-             "not numel * element_size: a view shares (and keeps alive) its whole storage.",
-             _cases_1_2),
+             "Count storages, not tensors: two tensors share one when their "
+             "t.untyped_storage().data_ptr() are equal, and a storage's size is "
+             "t.untyped_storage().nbytes(), however few elements a view of it shows.",
+             _cases_1_2,
+             hints=("Keep a set of the storages' data_ptr() seen so far, and add nbytes() only "
+                    "for a storage not seen yet.",),
+             mistakes=(
+                 Mistake("the elements a tensor shows counted, not its whole storage",
+                         "A view keeps its whole storage alive, and a freed storage holds 0 "
+                         "bytes: count t.untyped_storage().nbytes(), not "
+                         "numel * element_size.",
+                         matches(_counted("storage", "view"))),
+                 Mistake("a view's start taken for its storage",
+                         "t.data_ptr() is where the tensor's first element is: two views of "
+                         "one buffer start at different places. Compare the storages' "
+                         "pointers, t.untyped_storage().data_ptr().",
+                         any_of(matches(_counted("view start", "view")),
+                                matches(_counted("view start", "storage")))),
+                 Mistake("every storage counted once per tensor",
+                         "Views and tied weights share a storage: count each storage once "
+                         "(remember the data_ptr() of those already counted).",
+                         matches(_counted("none", "storage"))),
+                 Mistake("views and tied weights counted again",
+                         "Adding numel * element_size per tensor counts shared memory "
+                         "several times: count each storage once, all of it.",
+                         matches(_counted("none", "view")))),
+             read_only=("tensors",)),
 ]

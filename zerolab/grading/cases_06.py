@@ -7,8 +7,19 @@ from collections.abc import Callable
 
 import torch
 
-from zerolab.grading.exercise import Case, Exercise
+from zerolab.grading.exercise import Case, Exercise, _own_memory_outputs
 from zerolab.grading.inputs import _gen
+from zerolab.grading.mistakes import (
+    DTYPE_LOST,
+    Evidence,
+    Mistake,
+    element,
+    first_difference,
+    matches,
+    memory_mistakes,
+    neighbour_rank,
+    padding_kept,
+)
 
 
 def _dim0_rows(rows: int, rank: int, n: int) -> tuple[int, int]:
@@ -28,12 +39,14 @@ def _cases_6_2(n: int) -> list[Case]:
     models = {
         "a small model": {"embed.weight": (10, 3), "norm.weight": (7,), "head.bias": (2,),
                           "gain": (1,)},
-        "one (5, 2, 2) parameter": {"conv.weight": (5, 2, 2)},
+        "one (5, 2, 2) float64 parameter": {"conv.weight": (5, 2, 2)},
     }
 
     def make(name: str) -> Callable[[int], tuple]:
+        dtype = torch.float64 if "float64" in name else torch.float32
+
         def args(rank: int) -> tuple:
-            full = {k: torch.randn(s, generator=_gen("6.2", name, k))
+            full = {k: torch.randn(s, generator=_gen("6.2", name, k), dtype=dtype)
                     for k, s in models[name].items()}
             shards = {k: t[slice(*_dim0_rows(len(t), rank, n))].clone() for k, t in full.items()}
             return shards, {k: len(t) for k, t in full.items()}
@@ -41,15 +54,85 @@ def _cases_6_2(n: int) -> list[Case]:
     return [Case(name, make(name)) for name in models]
 
 
+# ---- what the grader can tell apart ------------------------------------------------------------
+
+
+def _array_split(ev: Evidence) -> torch.Tensor:
+    """6.1 by numpy.array_split's rule: the first rows % N ranks get one extra row."""
+    param, rank, n = ev.inputs()
+    base, extra = divmod(len(param), n)
+    start = rank * base + min(rank, extra)
+    return param[start:start + base + (1 if rank < extra else 0)]
+
+
+def _rows_are(rows: Callable[[int, int], int]) -> Callable[[Evidence], bool]:
+    """6.1's result has `rows(rows of param, world_size)` rows, which is wrong here."""
+    def test(ev: Evidence) -> bool:
+        param, _, n = ev.inputs()
+        want = rows(len(param), n)
+        return len(ev.got) == want != len(ev.expected)
+    return test
+
+
+def _padded_in_front(ev: Evidence) -> dict[str, torch.Tensor]:
+    """6.2 with each shard's padding rows put before its rows."""
+    ranks = [ev.inputs(r)[0] for r in range(ev.world_size)]
+    full = {}
+    for name, rows in ev.inputs()[1].items():
+        per_rank = -(-rows // ev.world_size)
+        pieces = [torch.cat([s[name].new_zeros(per_rank - len(s[name]), *s[name].shape[1:]),
+                             s[name]]) for s in ranks]
+        full[name] = torch.cat(pieces)[:rows]
+    return full
+
+
 EXERCISES = [
     Exercise("6.1", "ex06_fsdp", "dim0_shard",
              "FSDP2's per-parameter dim-0 shard, against zerolab's flat shard",
              "Every rank but the last ones gets ceil(rows / world_size) rows (torch.chunk's "
-             "rule); do not pad the last shards.",
-             _cases_6_1),
+             "rule): rank r's rows start at r * ceil(rows / world_size); clamp the start and "
+             "the end to rows; do not pad the last shards; return a copy.",
+             _cases_6_1, outputs=_own_memory_outputs,
+             hints=("rows_per_rank = -(-rows // world_size); start = min(rank * rows_per_rank, "
+                    "rows); end = min(start + rows_per_rank, rows); return "
+                    "param[start:end].clone().",),
+             mistakes=(
+                 Mistake("numpy.array_split's rule, not torch.chunk's",
+                         "That is numpy.array_split's rule (the first ranks get one extra "
+                         "row). FSDP2 cuts like torch.chunk: ceil(rows / world_size) rows per "
+                         "rank until they run out.", matches(_array_split)),
+                 Mistake("the last shards padded",
+                         "No padding here: the last ranks get fewer rows, or none.",
+                         _rows_are(lambda rows, n: -(-rows // n))),
+                 Mistake("rows per rank from floor instead of ceil",
+                         "ceil(rows / world_size) rows per rank: with floor, the last rows "
+                         "belong to no rank.", _rows_are(lambda rows, n: rows // n)),
+                 Mistake("off by one rank: a neighbour's rows",
+                         "You returned a neighbour's rows: rank r's rows start at "
+                         "r * ceil(rows / world_size).", neighbour_rank(1)),
+                 *memory_mistakes("the rows")),
+             read_only=("param",)),
     Exercise("6.2", "ex06_fsdp", "full_state_dict",
              "consolidating a full state dict from dim-0 shards (uneven all-gather)",
              "Pad each shard with zero rows at its end to ceil(rows / world_size) rows, gather, "
              "then keep the first `rows` rows.",
-             _cases_6_2, distributed=True),
+             _cases_6_2, distributed=True,
+             hints=("padded = torch.zeros(rows_per_rank, *rest); padded[:len(shard)] = shard; "
+                    "comm.all_gather(out, padded.reshape(-1), tag=..., group=group) with out = "
+                    "torch.empty(world_size * padded.numel()); then out.view(world_size * "
+                    "rows_per_rank, *rest)[:rows]. Loop over the names in order.",),
+             mistakes=(
+                 Mistake("an uneven all-gather",
+                         "The last ranks hold fewer rows (or none), and an all-gather needs "
+                         "the same number of elements from every rank: pad every shard to "
+                         "ceil(rows / world_size) rows before gathering.", signal="SIGABRT"),
+                 Mistake("the padding rows put before the shard's rows",
+                         "Pad each shard at its end (after its rows): then the gathered rows "
+                         "are in order, and the padding is what follows each rank's rows.",
+                         matches(_padded_in_front)),
+                 DTYPE_LOST,
+                 Mistake("the padding rows kept",
+                         "Drop the padding rows: keep the first `rows` rows of the gathered "
+                         "tensor.", element(padding_kept, first_difference))),
+             read_only=("shards",)),
 ]

@@ -1,5 +1,6 @@
 """The command line, `python -m zerolab.grade [NAME ...] [--path FOLDER]` (zerolab/grade.py
-calls `main`): grade, list the exercises, or make and check exercises/.
+calls `main`): grade, list the exercises (with their kind: plain, ranks or engine), print an
+exercise's hints, or make and check exercises/.
 
 Exit status: 0 when nothing is wrong (or exercises/ matches solutions/), 1 when an exercise
 is wrong (or exercises/ differs), 2 for a bad name or folder, or ranks that cannot start.
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from zerolab.grading.defaults import DEFAULT_TIMEOUT, DEFAULT_WORLD_SIZES
 from zerolab.grading.generate import check_exercises, make_exercises
 from zerolab.grading.grader import grade
+from zerolab.grading.hints import hint
 from zerolab.grading.registry import EXERCISES
 from zerolab.grading.report import _shown
 
@@ -35,19 +37,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--make-exercises", action="store_true",
                         help="write exercises/ from solutions/ (overwrites exercises/)")
     parser.add_argument("--check-exercises", action="store_true",
-                        help="exit 1 if exercises/ is not what solutions/ generates")
+                        help="exit 1 if exercises/ no longer holds what solutions/ generates "
+                             "(your answers aside)")
+    parser.add_argument("--exact", action="store_true",
+                        help="with --check-exercises: compare whole files (the shipped stubs)")
+    parser.add_argument("--hints", metavar="NAME",
+                        help="print every hint of one exercise (id, file or function name)")
     args = parser.parse_args(argv)
     if args.list:
         for ex in EXERCISES.values():
-            where = "ranks" if ex.distributed else "plain"
-            print(f"{ex.id:<4} {ex.module + '.' + ex.function:<38} {where:<6} {ex.teaches}")
+            print(f"{ex.id:<4} {ex.module + '.' + ex.function:<38} {ex.kind:<6} {ex.teaches}")
+        return 0
+    if args.hints:
+        try:
+            hint(args.hints, all_levels=True)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     if args.make_exercises:
         for path in make_exercises():
             print(f"wrote {_shown(path)}")
         return 0
     if args.check_exercises:
-        problems = check_exercises()
+        problems = check_exercises(exact=args.exact)
         print("\n".join(problems) if problems else "exercises/ matches solutions/")
         return 1 if problems else 0
     try:

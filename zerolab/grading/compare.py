@@ -1,13 +1,24 @@
 """Comparing the learner's outputs with the solution's, and saying how they differ: which
-item, expected against got, shape and max error."""
+item, expected against got, shape and max error.
+
+Floats and tensors are compared with a tolerance (tighter for float64 tensors); ints (counts,
+bytes, parameters) exactly.
+A tensor whose storage no longer holds its elements (resized to 0 bytes) is never read:
+reading it would crash the process.
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+# (rtol, atol) by dtype: float64 results must keep float64's precision (a float32 buffer on
+# the way loses it); float32 and lower allow for another order of summation.
+_TOLERANCE = {torch.float64: (1e-10, 1e-12)}
 
 
 def _describe(x: Any) -> str:
@@ -48,19 +59,27 @@ def _compare(expected: Any, got: Any) -> str | None:
             return None if same else f"expected {list(expected)}, got {list(got)}"
         if len(got) != len(expected):
             return f"expected {len(expected)} items, got {len(got)}"
-        for i, (e, g) in enumerate(zip(expected, got)):
-            if (why := _compare(e, g)) is not None:
-                return f"[{i}]: {why}"
-        return None
+        return _first_item(expected, got, _compare)
     if isinstance(expected, numbers.Real) and not isinstance(expected, bool):
-        if isinstance(got, torch.Tensor) and got.numel() == 1:
+        if isinstance(got, torch.Tensor) and got.numel() == 1 and _readable(got):
             got = got.item()
         if not isinstance(got, numbers.Real) or isinstance(got, bool):
             return f"expected a number, {expected:.6g}, got {_describe(got)}"
+        if isinstance(expected, numbers.Integral):  # counted, not measured: exactly
+            return None if got == expected else f"expected {expected}, got {got!r}"
         if not math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-12):
             return f"expected {expected:.6g}, got {got:.6g}"
         return None
     return None if got == expected else f"expected {expected!r}, got {got!r}"
+
+
+def _first_item(expected: Sequence, got: Sequence,
+                compare: Callable[[Any, Any], str | None]) -> str | None:
+    """The first pair of items that `compare` finds different, named by its index."""
+    for i, (e, g) in enumerate(zip(expected, got)):
+        if (why := compare(e, g)) is not None:
+            return f"[{i}]: {why}"
+    return None
 
 
 def _compare_tensors(expected: torch.Tensor, got: Any) -> str | None:
@@ -70,8 +89,12 @@ def _compare_tensors(expected: torch.Tensor, got: Any) -> str | None:
         return f"expected shape {tuple(expected.shape)}, got shape {tuple(got.shape)}"
     if got.dtype != expected.dtype:
         return f"expected dtype {expected.dtype}, got {got.dtype}"
+    if not _readable(got):
+        return (f"shape {tuple(got.shape)} as expected, but its storage holds only "
+                f"{got.untyped_storage().nbytes()} bytes (freed?): its values cannot be read")
     e, g = expected.detach().double(), got.detach().double()
-    if torch.allclose(g, e, rtol=1e-5, atol=1e-6, equal_nan=True):
+    rtol, atol = _TOLERANCE.get(expected.dtype, (1e-5, 1e-6))
+    if torch.allclose(g, e, rtol=rtol, atol=atol, equal_nan=True):
         return None
     error = (g - e).abs().nan_to_num(nan=math.inf)
     if e.numel() <= 12:
@@ -82,3 +105,11 @@ def _compare_tensors(expected: torch.Tensor, got: Any) -> str | None:
         values = (f"at index {where}: expected {e.reshape(-1)[worst]:.4g}, "
                   f"got {g.reshape(-1)[worst]:.4g}")
     return f"shape {tuple(e.shape)} as expected, max error {error.max():.3g}; {values}"
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether t's storage holds every element t addresses (a freed storage holds 0 bytes)."""
+    if t.numel() == 0:
+        return True
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size() <= t.untyped_storage().nbytes()

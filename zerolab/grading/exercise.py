@@ -10,18 +10,38 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from zerolab.grading.compare import _describe
+from zerolab.grading.mistakes import Mistake
+from zerolab.grading.storage import _shares_memory
+
+KINDS = ("plain", "ranks", "engine")  # in this process; on spawned ranks; a whole engine
 
 
 class BadReturn(Exception):
     """The learner's function returned something of the wrong kind (not a tuple, ...)."""
 
 
+class Args(tuple):
+    """A case's arguments (a tuple), and what the grader keeps aside to measure after the call
+    (`kept`: e.g. the views autograd saved, which the function never sees)."""
+
+    kept: dict[str, Any]
+
+    def __new__(cls, args: tuple, **kept: Any) -> Args:
+        self = super().__new__(cls, args)
+        self.kept = kept
+        return self
+
+
 @dataclass(frozen=True)
 class Case:
     """One input of an exercise: `make(rank)` builds fresh arguments (before rank, world_size,
     group for a distributed exercise); it is called once for the solution, once for the
-    learner, so that neither sees what the other changed in place."""
+    learner, so that neither sees what the other changed in place. It must build the same
+    arguments for the same rank every time: the grader rebuilds other ranks' inputs from it
+    to tell mistakes apart."""
 
     label: str
     make: Callable[[int], tuple]
@@ -33,15 +53,37 @@ def _result(result: Any, args: tuple) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Exercise:
+    """One exercise: which function, its cases, what is compared, and what to say when wrong.
+
+    Hints come in levels (zerolab.grading.hint): the stub's own "Hint:" paragraph, then
+    `hint` (also what the grader says when it cannot tell the kind of mistake), then `hints`.
+    `mistakes` are the kinds of mistakes the grader recognises, each with its own hint.
+    `read_only` names the arguments the contract says to leave unchanged: the grader
+    compares them before and after every call.
+    """
+
     id: str  # "2.1": notebook 02, first exercise
     module: str  # file name without .py, in solutions/ and exercises/
     function: str
     teaches: str  # one line
-    hint: str  # shown when the answer is wrong
+    hint: str  # shown when the answer is wrong and no known mistake explains it
     cases: Callable[..., list[Case]]  # distributed: cases(world_size); plain: cases()
     distributed: bool = False
     outputs: Callable[[Any, tuple], dict[str, Any]] = _result  # (result, args) -> named outputs
     comm_checked: bool = False  # also compare the zerolab.comm ops called and bytes sent
+    # How one case is checked on a rank, instead of check._check_case (same arguments, same
+    # record); engine exercises use engine_check.check_engine.
+    check: Callable[..., dict[str, Any]] | None = None
+    hints: tuple[str, ...] = ()  # further hint levels, after `hint`
+    mistakes: tuple[Mistake, ...] = ()
+    read_only: tuple[str, ...] = ()  # argument names checked unchanged after every call
+    kind: str = ""  # one of KINDS; default: "ranks" if distributed else "plain"
+
+    def __post_init__(self) -> None:
+        if not self.kind:
+            object.__setattr__(self, "kind", "ranks" if self.distributed else "plain")
+        if self.kind not in KINDS:
+            raise ValueError(f"exercise {self.id}: kind {self.kind!r} is not one of {KINDS}")
 
     @property
     def notebook(self) -> str:
@@ -54,3 +96,13 @@ def _tuple_outputs(*names: str) -> Callable[[Any, tuple], dict[str, Any]]:
             raise BadReturn(f"expected a tuple ({', '.join(names)}), got {_describe(result)}")
         return dict(zip(names, result))
     return outputs
+
+
+def _own_memory_outputs(result: Any, args: tuple) -> dict[str, Any]:
+    """The result, and the memory behind it: "a view of an input" (the first argument), or
+    "its own, N bytes" (a copy of exactly its elements, or a view into a bigger buffer)."""
+    if not isinstance(result, torch.Tensor):
+        return {"result": result, "memory": "not a tensor"}
+    memory = ("a view of an input" if _shares_memory(result, [args[0]])
+              else f"its own, {result.untyped_storage().nbytes()} bytes")
+    return {"result": result, "memory": memory}

@@ -1,5 +1,6 @@
 """`grade` and `load`, what a notebook calls: import the learner's files and the solutions,
-grade plain exercises here and distributed ones on ranks, and gather one Report."""
+grade plain exercises here and distributed ones on ranks, and gather one Report. Also
+`grade_files`, for tools that grade many versions of an exercise at once."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ from zerolab.grading.defaults import (
     SOLUTIONS_DIR,
 )
 from zerolab.grading.exercise import Exercise
-from zerolab.grading.registry import select
+from zerolab.grading.registry import EXERCISES, select
 from zerolab.grading.report import Report, Result, _shown
-from zerolab.grading.runner import _grade_distributed, _grade_plain
+from zerolab.grading.runner import _grade_distributed, _grade_plain, _Task
 
 
 def load(name: str, path: str | os.PathLike | None = None) -> Callable:
@@ -40,40 +41,60 @@ def grade(names: Sequence[str] | str | None = None, path: str | os.PathLike | No
     world_sizes: the numbers of ranks distributed exercises run on.
     """
     exercises = select(names)
-    if not SOLUTIONS_DIR.is_dir():
-        raise ValueError(f"no {SOLUTIONS_DIR}: the grader needs the course's repository "
-                         f"(solutions/ next to zerolab/; install it with `pip install -e .`)")
     folder = Path(path) if path is not None else EXERCISES_DIR
     if not folder.is_dir():
         raise ValueError(f"no folder {folder}")
+    results = _grade_items([(ex.id, ex, folder / f"{ex.module}.py") for ex in exercises],
+                           timeout, world_sizes)
+    return Report([results[ex.id] for ex in exercises], folder, tuple(world_sizes))
+
+
+def grade_files(items: Sequence[tuple[str, str | os.PathLike]],
+                timeout: float = DEFAULT_TIMEOUT,
+                world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES) -> list[Result]:
+    """Grade many learner files, each for one exercise: [(exercise id, file), ...] -> one
+    Result each, in order. Distributed ones share one launch per world size, so that a tool
+    grading many versions of an exercise (tests/mutation.py) pays for few launches."""
+    chosen = [(str(i), EXERCISES[ex_id], Path(file)) for i, (ex_id, file) in enumerate(items)]
+    results = _grade_items(chosen, timeout, world_sizes)
+    return [results[key] for key, _, _ in chosen]
+
+
+def _grade_items(items: list[tuple[str, Exercise, Path]], timeout: float,
+                 world_sizes: Sequence[int]) -> dict[str, Result]:
+    """Grade (key, exercise, learner file) items: plain ones here, distributed ones on ranks.
+    Results by key."""
+    if not SOLUTIONS_DIR.is_dir():
+        raise ValueError(f"no {SOLUTIONS_DIR}: the grader needs the course's repository "
+                         f"(solutions/ next to zerolab/; install it with `pip install -e .`)")
     results: dict[str, Result] = {}
-    files: dict[str, tuple[str, str]] = {}
-    plain: list[tuple[Exercise, tuple[str, Callable], Callable]] = []
-    solutions = {m: _load_module(SOLUTIONS_DIR / f"{m}.py") for m in {e.module for e in exercises}}
-    learners: dict[str, ModuleType | Result] = {}
-    for ex in exercises:
-        learner_file = folder / f"{ex.module}.py"
-        if ex.module not in learners:
-            learners[ex.module] = _import_learner(ex, learner_file)
-        module = learners[ex.module]
+    tasks: list[_Task] = []
+    modules: dict[Path, ModuleType | Result] = {}
+    solutions: dict[Path, ModuleType] = {}
+    for key, ex, learner_file in items:
+        solution_file = SOLUTIONS_DIR / f"{ex.module}.py"
+        if learner_file not in modules:
+            modules[learner_file] = _import_learner(ex, learner_file)
+        module = modules[learner_file]
         if isinstance(module, Result):  # missing, or fails to import
-            results[ex.id] = Result(ex, module.status, message=module.message,
-                                    traceback=module.traceback, hint=module.hint)
+            results[key] = Result(ex, module.status, message=module.message,
+                                  traceback=module.traceback, hint=module.hint)
         elif not hasattr(module, ex.function):
-            results[ex.id] = Result(ex, "not attempted",
-                                    message=f"no function {ex.function} in {learner_file.name}")
+            results[key] = Result(ex, "not attempted",
+                                  message=f"no function {ex.function} in {learner_file.name}")
         elif ex.distributed:
-            files[ex.id] = (str(learner_file.resolve()),
-                            str((SOLUTIONS_DIR / f"{ex.module}.py").resolve()))
+            tasks.append(_Task(key, ex, str(learner_file.resolve()),
+                               str(solution_file.resolve())))
         else:
-            plain.append((ex, (str(learner_file), getattr(module, ex.function)),
-                          getattr(solutions[ex.module], ex.function)))
-    for ex, learner, solution in plain:
-        results[ex.id] = _grade_plain(ex, learner, solution, timeout)
-    distributed = [ex for ex in exercises if ex.id in files]
-    results.update(_grade_distributed(distributed, files, world_sizes, timeout))
-    return Report([results.get(ex.id, Result(ex, "passed")) for ex in exercises], folder,
-                  tuple(world_sizes))
+            if solution_file not in solutions:
+                solutions[solution_file] = _load_module(solution_file)
+            solution = getattr(solutions[solution_file], ex.function)
+            results[key] = _grade_plain(ex, (str(learner_file), getattr(module, ex.function)),
+                                        solution, timeout)
+    wrong = _grade_distributed(tasks, world_sizes, timeout)
+    for task in tasks:
+        results[task.key] = wrong.get(task.key, Result(task.exercise, "passed"))
+    return results
 
 
 def _import_learner(ex: Exercise, learner_file: Path) -> ModuleType | Result:

@@ -36,6 +36,15 @@ def _fixed(*args: Any) -> Callable[[int], tuple]:
     return lambda rank: args
 
 
+def _stage_moved(step: int, position: int = 2) -> Callable[[tuple], dict[int, str]]:
+    """For mistakes.solution_with: the stage argument at `position` moved `step` stages on
+    (1: ZeRO-1 -> ZeRO-2) or back (-1); unchanged past either end."""
+    def replace(args: tuple) -> dict[int, str]:
+        i = STAGES.index(args[position]) + step
+        return {position: STAGES[i]} if 0 <= i < len(STAGES) else {}
+    return replace
+
+
 def _tensors(key: Any, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
     gen = _gen(*key)
     return [torch.randn(s, generator=gen) for s in shapes]

@@ -51,12 +51,13 @@ def _agree(store: dist.Store, key: str, status: str, rank: int, world_size: int,
     return [store.get(k).decode() for k in keys]
 
 
-def _worker(tasks: list[tuple[str, str, str]], workdir: str, timeout: float,
+def _worker(tasks: list[tuple[str, str, str, str]], workdir: str, timeout: float,
             grace: float) -> None:
-    """One rank: grade each (exercise id, learner file, solution file) in turn.
+    """One rank: grade each (key, exercise id, learner file, solution file) in turn.
 
-    Every case's outcome is appended to records-<rank>.jsonl as it happens, so that the
-    caller learns what finished even if the launch dies (a rank raised alone, or hung).
+    Every case's start and outcome are appended to records-<rank>.jsonl as they happen (under
+    the task's key), so that the caller learns what finished, and in which case a rank died,
+    even if the launch dies (a rank raised alone, hung, or was killed by a signal).
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     store = dist.FileStore(os.path.join(workdir, "store"), world_size)
@@ -72,15 +73,16 @@ def _worker(tasks: list[tuple[str, str, str]], workdir: str, timeout: float,
             modules[path] = _load_module(Path(path))
         return getattr(modules[path], name)
 
-    for ex_id, learner_file, solution_file in tasks:
+    for key, ex_id, learner_file, solution_file in tasks:
         ex = EXERCISES[ex_id]
         group = dist.new_group()  # a fresh group: stray messages of one exercise stay there
-        record(id=ex_id, start=True)
+        record(id=key, start=True)
         for index, case in enumerate(ex.cases(world_size)):
-            def expire(ex_id: str = ex_id, index: int = index, label: str = case.label) -> None:
-                record(id=ex_id, case=index, label=label, status="timeout")
+            def expire(key: str = key, index: int = index, label: str = case.label) -> None:
+                record(id=key, case=index, label=label, status="timeout")
                 os._exit(3)
 
+            record(id=key, case=index, label=case.label, begin=True)
             with _watchdog(timeout, expire):
                 try:
                     learner_fn = function(learner_file, ex.function)
@@ -88,17 +90,17 @@ def _worker(tasks: list[tuple[str, str, str]], workdir: str, timeout: float,
                     outcome = {"status": "raised", "message": f"{type(e).__name__}: {e}",
                                "traceback": _learner_traceback(e, learner_file)}
                 else:
-                    outcome = _check_case(ex, (learner_file, learner_fn),
-                                          function(solution_file, ex.function), case, rank,
-                                          world_size, group)
-                record(id=ex_id, case=index, label=case.label, **outcome)
+                    outcome = (ex.check or _check_case)(
+                        ex, (learner_file, learner_fn), function(solution_file, ex.function),
+                        case, rank, world_size, group)
+                record(id=key, case=index, label=case.label, **outcome)
                 # A rank that raised may have left the others waiting for its messages: it
                 # gives them `grace` seconds, then ends the launch.
                 failed = outcome["status"] in ("raised", "stub", "error")
-                statuses = _agree(store, f"{ex_id}/{index}", outcome["status"], rank,
+                statuses = _agree(store, f"{key}/{index}", outcome["status"], rank,
                                   world_size, grace if failed else timeout + grace)
             if statuses is None:
                 os._exit(1)
             if any(s != "passed" for s in statuses):
                 break  # every rank saw the same statuses: all stop this exercise
-        record(id=ex_id, final=True)
+        record(id=key, final=True)

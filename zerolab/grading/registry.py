@@ -2,7 +2,8 @@
 finds exercises by file, id or function name.
 
 A new exercise goes in its notebook's cases_NN module; a new notebook's module is found by
-its name (cases_08.py, ...), in notebook order.
+its name (cases_08.py, ...), in notebook order, and so is a notebook's second module, after its
+first (cases_01_engine.py: the notebook's engine exercise).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from zerolab.grading.exercise import Exercise
 
 _NOTEBOOKS = [importlib.import_module(f"zerolab.grading.{path.stem}")
-              for path in sorted(Path(__file__).parent.glob("cases_[0-9][0-9].py"))]
+              for path in sorted(Path(__file__).parent.glob("cases_[0-9][0-9]*.py"))]
 
 EXERCISES: dict[str, Exercise] = {ex.id: ex for notebook in _NOTEBOOKS
                                   for ex in notebook.EXERCISES}

@@ -1,5 +1,7 @@
 """The verdicts: one Result per exercise (passed / not attempted / wrong / error, with where,
-what, the learner's own traceback lines and a hint), and the Report `grade` returns.
+what, the learner's own traceback lines, the kind of mistake when the grader recognised it,
+and a hint: the one for that kind, else the exercise's general hint), and the Report `grade`
+returns.
 
 A record is what checking a case produced ({"status": ..., "label": ..., ...}, as written by
 a rank); `_result_from` turns it into a Result.
@@ -7,6 +9,7 @@ a rank); `_result_from` turns it into a Result.
 
 from __future__ import annotations
 
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,11 +26,12 @@ class Result:
     world_size: int | None = None  # distributed: on how many ranks it went wrong
     rank: int | None = None  # which rank
     case: str | None = None  # which input
-    output: str | None = None  # which output differed ("result", "grad_shard", "comm ops", ...)
+    output: str | None = None  # which output differed ("result", "comm ops", "input tensor")
     message: str = ""  # what differed: expected against got; or the exception
     traceback: str = ""  # the learner's own lines of the traceback, when it raised
     hint: str = ""
     timed_out: bool = False
+    mistake: str = ""  # the kind of mistake, when the grader recognised it ("" otherwise)
 
     @property
     def id(self) -> str:
@@ -51,17 +55,29 @@ class Result:
         out = [head]
         if where:
             out.append("       " + ", ".join(where))
-        if self.output:
-            out.append(f"       output '{self.output}': {self.message}")
+        if self.output and self.output.startswith("input "):  # an argument it changed
+            out += _wrapped(f"{self.output}: {self.message}")
+        elif self.output:
+            out += _wrapped(f"output '{self.output}': {self.message}")
         elif self.message:
-            out.append(f"       {self.message}")
+            out += _wrapped(self.message)
         out += ["         " + line for line in self.traceback.rstrip().splitlines()]
+        if self.mistake:
+            out += _wrapped(f"looks like: {self.mistake}")
         if self.hint:
-            out.append(f"       hint: {self.hint}")
+            out += _wrapped(f"hint: {self.hint}")
+        if self.status == "wrong":
+            out.append(f'       more hints: hint("{ex.id}") (from zerolab.grading import hint)')
         return out
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+def _wrapped(text: str) -> list[str]:
+    """A line of the report, indented, wrapped at 100 characters (long words kept whole)."""
+    return textwrap.wrap(text, width=100, initial_indent=" " * 7, subsequent_indent=" " * 9,
+                         break_long_words=False, break_on_hyphens=False) or [""]
 
 
 def _result_from(ex: Exercise, record: dict, timeout: float) -> Result:
@@ -80,14 +96,15 @@ def _result_from(ex: Exercise, record: dict, timeout: float) -> Result:
                 "a rank waiting for a message no other rank sends (or an endless loop)?"
         return Result(ex, "wrong", **{**common, "rank": None}, timed_out=True, hint=ex.hint,
                       message=f"timed out after {timeout:g} s: {why}")
+    known = {"hint": record.get("hint") or ex.hint, "mistake": record.get("mistake", "")}
     if status == "raised":
         return Result(ex, "wrong", **common, message=f"raised {record['message']}",
-                      traceback=record.get("traceback", ""), hint=ex.hint)
+                      traceback=record.get("traceback", ""), **known)
     if status == "error":
         return Result(ex, "error", **common, message=record["message"],
                       traceback=record.get("traceback", ""))
     return Result(ex, "wrong", **common, output=record.get("output"),
-                  message=record.get("message", ""), hint=ex.hint)
+                  message=record.get("message", ""), **known)
 
 
 @dataclass

@@ -1,0 +1,218 @@
+"""The engine exercises (1.3 DDP, 4.2 ZeRO-2, 5.3 ZeRO-3) and their grader.
+
+- they are registered as kind "engine", and their stubs are generated from the solutions;
+- the model they train has what catches mistakes (a tied weight, a frozen parameter, uneven
+  shards), and the verdict's diagnoses work on made-up evidence (no ranks needed);
+- on ranks: the solutions pass, correct engines laid out differently pass, the untouched
+  stubs are "not attempted", a method left unwritten is reported, and every wrong engine in
+  tests/grading_wrong_engines/ is caught where it shows, naming its kind of mistake.
+
+Grading trains small models on up to 3 ranks: the tests give each case a generous timeout, so
+that a loaded machine makes them slow, not wrong.
+"""
+
+import ast
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from zerolab import grading
+from zerolab.grading import engine_model, engine_verdict
+from zerolab.grading.check import _load_module
+from zerolab.grading.engine_check import Measure
+
+REPO = Path(__file__).resolve().parent.parent
+WRONG = REPO / "tests" / "grading_wrong_engines"
+ENGINES = {"1.3": "ex01_ddp_engine", "4.2": "ex04_zero2_engine", "5.3": "ex05_zero3_engine"}
+TIMEOUT = 240.0  # seconds per case: a loaded machine is slow, not wrong
+
+# (folder, exercise id) -> (world size it shows on, output named, kind of mistake)
+CAUGHT = {
+    ("v1", "1.3"): (2, "parameters after step 1", "gradients summed, not averaged"),
+    ("v1", "4.2"): (1, "model-state bytes after step()", "full gradients kept after step()"),
+    ("v1", "5.3"): (1, "peak params bytes during the step", "units not freed after forward"),
+    ("v2", "1.3"): (1, "collectives by phase", "no overlap: all-reduce after backward"),
+    ("v2", "4.2"): (2, "parameters after step 1", "a rank stepped another rank's shard"),
+    ("v2", "5.3"): (1, "parameters after step 1", "a frozen parameter trained"),
+    ("v3", "1.3"): (1, "model-state bytes after step()", "a tied weight held twice"),
+    ("v3", "4.2"): (1, "collectives by phase", "all-reduce instead of reduce-scatter"),
+    ("v4", "1.3"): (1, "collectives by phase", "no overlap: backward waits for each all-reduce"),
+    ("v4", "5.3"): (1, "model-state bytes after step()", "units left gathered after step()"),
+}
+
+
+def _grade(path: Path, world_sizes=(1, 2, 3)) -> grading.Report:
+    return grading.grade(list(ENGINES), path=path, timeout=TIMEOUT, world_sizes=world_sizes)
+
+
+# ---- registry, stubs, model: no ranks ---------------------------------------------------------
+
+
+def test_engine_exercises_are_registered(capsys):
+    for ex_id, module in ENGINES.items():
+        ex = grading.EXERCISES[ex_id]
+        assert (ex.kind, ex.module, ex.distributed) == ("engine", module, True)
+        assert ex.check is not None and ex.mistakes
+        solution = _load_module(REPO / "solutions" / f"{module}.py")
+        assert isinstance(getattr(solution, ex.function), type)
+    assert grading.main(["--list"]) == 0
+    listing = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert {line[0]: line[2] for line in listing if line[0] in ENGINES} == dict.fromkeys(
+        ENGINES, "engine")
+    assert [e.id for e in grading.select("ex04")] == ["4.1", "4.2"]
+
+
+def _methods(path: Path) -> dict[str, ast.FunctionDef]:
+    [cls] = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)]
+    return {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+@pytest.mark.parametrize("ex_id", ENGINES)
+def test_stubs_state_the_contract_and_raise_the_exercise(ex_id):
+    module = ENGINES[ex_id]
+    solution, stub = REPO / "solutions" / f"{module}.py", REPO / "exercises" / f"{module}.py"
+    assert stub.read_text() == grading.exercise_source(solution.read_text())
+    assert len(solution.read_text().splitlines()) < 250
+    [cls] = [n for n in ast.parse(stub.read_text()).body if isinstance(n, ast.ClassDef)]
+    contract = ast.get_docstring(cls)
+    stage = grading.EXERCISES[ex_id].check.args[0]
+    for words in ("state_tensors()", f'"{stage}/', "Measured", "Ψ"):
+        assert words in contract, words
+    methods = _methods(stub)
+    assert {"__init__", "__call__", "step", "zero_grad", "full_state_dict",
+            "state_tensors"} <= set(methods)
+    init = methods["__init__"].args
+    assert [a.arg for a in init.args] == ["self", "model", "optimizer_cls"]
+    assert {"group", "bucket_bytes"} <= {a.arg for a in init.kwonlyargs}
+    assert init.kwarg.arg == "optimizer_kwargs"
+    for name, node in methods.items():
+        raises = [n for n in ast.walk(node) if isinstance(n, ast.Raise)]
+        if name != "__call__":  # given: the model's forward (the hooks do the work)
+            [raise_] = raises
+            assert raise_.exc.args[0].value.startswith(f"Exercise {ex_id}: ")
+
+
+def test_the_model_has_what_catches_mistakes():
+    model = engine_model.make_model()
+    names = [n for n, _ in model.named_parameters(remove_duplicate=False)]
+    assert "lm_head.weight" in names and model.lm_head.weight is model.wte.weight  # tied
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen == [engine_model.FROZEN]
+    assert model.get_parameter(engine_model.FROZEN).abs().min() > 0  # weight decay moves it
+    sizes = engine_model.Sizes.of(model, 3)
+    units = [sum(p.numel() for p in u.params) for u in engine_model.make_units(model)]
+    assert all(n % 3 for n in units)  # every unit's shards padded on 3 ranks
+    assert sizes.tied == {"wte.weight = lm_head.weight": 61 * 20 * 4}
+    # The bounds leave room for the stage, not for its mistakes: ZeRO-2 keeping every full
+    # gradient, or ZeRO-3 gathering every unit, is far above them.
+    assert sizes.trainable > 2 * sizes.bucket
+    assert sizes.params > sizes.root + 2 * sizes.unit + sizes.slack
+    assert engine_model.GLOBAL_BATCH % 2 == engine_model.GLOBAL_BATCH % 3 == 0
+
+
+def _measure(ops: dict, held: dict | None = None, blocking: dict | None = None) -> Measure:
+    return Measure(held or {}, {}, Counter(ops), Counter(blocking or {}),
+                   [(p, o, "ddp/bwd/b") for p, o in ops], 0)
+
+
+def test_verdict_diagnoses_made_up_evidence():
+    ddp, zero2 = engine_model.STAGES["ddp"], engine_model.STAGES["zero2"]
+    sizes = engine_model.Sizes.of(engine_model.make_model(), 3)
+    before, right = torch.zeros(4, 5), torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
+    kinds = {k: engine_verdict._update(ddp, sizes, "w", before, right, k * right)[1].kind
+             for k in (3, 1 / 3, 2, 0)}
+    assert kinds == {3: "gradients summed, not averaged", 1 / 3: "gradients averaged twice",
+                     2: "a gradient counted twice", 0: "a parameter not stepped"}
+    shuffled = right.flip(0)
+    assert engine_verdict._update(zero2, sizes, "w", before, right, shuffled)[1] is \
+        zero2.mistakes["spread"]
+    assert engine_verdict._update(ddp, sizes, engine_model.FROZEN, before, right, right)[1] is \
+        engine_verdict.FROZEN_TRAINED
+
+    right_ops = _measure({("backward", "all_reduce"): 8})
+    late = engine_verdict._phases(ddp, sizes, right_ops, _measure({("step", "all_reduce"): 8}))
+    assert late["mistake"] == "no overlap: all-reduce after backward"
+    assert "expected all_reduce x8 in backward, got all_reduce x8 in step" in late["message"]
+    many = engine_verdict._phases(ddp, sizes, right_ops, _measure({("backward", "all_reduce"): 60}))
+    assert many["mistake"] == "too many collectives"
+    assert engine_verdict._phases(ddp, sizes, right_ops, right_ops) is None
+    waits = _measure({("backward", "all_reduce"): 8}, blocking={("backward", "all_reduce"): 8})
+    assert engine_verdict._phases(ddp, sizes, right_ops, waits)["mistake"] == \
+        "no overlap: backward waits for each all-reduce"
+
+    held = {"params": 86_640, "grads": 86_616, "optimizer": 173_324}
+    tied = engine_verdict._held(ddp, sizes, _measure({}, held),
+                                _measure({}, {**held, "grads": held["grads"] + 4_880}))
+    assert tied["mistake"] == "a tied weight held twice" and "(+4,880)" in tied["message"]
+    padding = {**held, "grads": held["grads"] - 56}  # no padding in the learner's buffers
+    assert engine_verdict._held(ddp, sizes, _measure({}, held), _measure({}, padding)) is None
+    mistagged = Measure({}, {}, Counter(), Counter(), [("backward", "all_reduce", "grads")], 0)
+    assert engine_verdict._tags(ddp, sizes, right_ops, mistagged)["output"] == "comm tags"
+
+
+# ---- grading on ranks --------------------------------------------------------------------------
+
+
+def test_solutions_pass(record_property):
+    start = time.perf_counter()
+    report = _grade(REPO / "solutions")
+    record_property("seconds", round(time.perf_counter() - start, 1))
+    assert [r.status for r in report.results] == ["passed"] * 3, str(report)
+
+
+def test_engines_laid_out_otherwise_pass():
+    """Other buckets (13 instead of zerolab's 8, so other padding and summation order),
+    gathers in flight together, a unit gathered ahead: the contract allows them."""
+    report = _grade(WRONG / "right_other_layout", world_sizes=(3,))
+    assert [r.status for r in report.results] == ["passed"] * 3, str(report)
+
+
+def test_untouched_stubs_are_not_attempted():
+    report = _grade(REPO / "exercises", world_sizes=(1,))
+    assert [r.status for r in report.results] == ["not attempted"] * 3, str(report)
+
+
+def test_a_method_left_unwritten_is_reported(tmp_path):
+    source = (REPO / "solutions" / "ex01_ddp_engine.py").read_text()
+    body = "        self.optimizer.step()\n"
+    assert source.count(body) == 1
+    stub = '        raise NotImplementedError("Exercise 1.3: Wait, then step the optimizer.")\n'
+    (tmp_path / "ex01_ddp_engine.py").write_text(source.replace(body, stub))
+    result = grading.grade("1.3", path=tmp_path, timeout=TIMEOUT, world_sizes=(1,))["1.3"]
+    assert result.status == "wrong", str(result)
+    assert result.message == ("raised NotImplementedError: Exercise 1.3: Wait, then step the "
+                              "optimizer. (a method still to write)")
+    assert "in step" in result.traceback and "ex01_ddp_engine.py" in result.traceback
+
+
+@pytest.fixture(scope="module")
+def wrong_reports() -> dict[str, grading.Report]:
+    return {v: _grade(WRONG / v) for v in sorted({v for v, _ in CAUGHT})}
+
+
+@pytest.mark.parametrize("variant,ex_id", sorted(CAUGHT))
+def test_wrong_engines_are_caught(wrong_reports, variant, ex_id):
+    world_size, output, mistake = CAUGHT[variant, ex_id]
+    assert "# BUG:" in (WRONG / variant / f"{ENGINES[ex_id]}.py").read_text()
+    result = wrong_reports[variant][ex_id]
+    assert result.status == "wrong" and not result.timed_out, str(result)
+    assert (result.world_size, result.output, result.mistake) == (world_size, output, mistake), \
+        str(result)
+    assert result.rank in range(world_size) and result.hint and result.message
+
+
+def test_report_reads_well(wrong_reports):
+    text = str(wrong_reports["v1"])
+    words = " ".join(text.split())  # the report wraps long lines
+    for line in ["1.3 ex01_ddp_engine.DDPEngine WRONG",
+                 "on 2 ranks, rank 0, case 'SGD, 3 steps'",
+                 "your update is 2.00x the right one",
+                 "looks like: gradients summed, not averaged",
+                 "got 173,120 (+86,560)",
+                 "hint: More than the root and two units were gathered at once"]:
+        assert line in words, text
+    assert "zerolab/grading" not in text
+

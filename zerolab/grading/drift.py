@@ -1,0 +1,52 @@
+"""Whether a file in exercises/ still holds what the generator wrote, a learner's work aside.
+
+The generator owns a file's top-level statements: the module docstring, the imports, the
+constants, the given functions (whole), and each exercise function's decorators, signature
+and docstring. The learner owns the body of every exercise function (a top-level function
+whose docstring starts with "Exercise N.M:"), all of it, and may add statements of their own
+(imports, helpers) anywhere. Comments between statements are not compared.
+
+`_owned_parts` cuts a file's text into the parts the generator owns; a learner's file is in
+sync when the generated file's parts appear in it, in order, unchanged.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+
+_EXERCISE_DOC = re.compile(r"Exercise \d+\.\d+:")
+
+
+def _is_exercise(node: ast.stmt) -> bool:
+    return (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and bool(_EXERCISE_DOC.match(ast.get_docstring(node) or "")))
+
+
+def _owned_parts(text: str) -> list[tuple[str, str]]:
+    """The generator's parts of a file: (a short name for messages, the part's text)."""
+    lines = text.splitlines()
+    parts = []
+    for node in ast.parse(text).body:
+        start = min([node.lineno, *(d.lineno for d in getattr(node, "decorator_list", []))])
+        end = node.end_lineno or node.lineno
+        if _is_exercise(node):
+            end = node.body[0].end_lineno or end  # the docstring; the body is the learner's
+            name = f"the signature or docstring of {node.name}()"
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) \
+                and isinstance(node.value.value, str):
+            name = "the module docstring"
+        else:
+            name = f"`{lines[start - 1].strip()}`"
+        parts.append((name, "\n".join(line.rstrip() for line in lines[start - 1:end])))
+    return parts
+
+
+def _first_missing(generated: str, learner: str) -> str | None:
+    """The first part of `generated` missing (or changed) in `learner`, or None when every
+    part is there, in order. Raises SyntaxError when `learner` does not parse."""
+    theirs = iter([text for _, text in _owned_parts(learner)])
+    for name, text in _owned_parts(generated):
+        if not any(text == t for t in theirs):  # consumes `theirs` up to the match: in order
+            return name
+    return None
