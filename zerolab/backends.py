@@ -98,7 +98,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, red: dist.ReduceOp
 # ---- gloo: reduce-scatter and all-gather from its fast collectives -----------------------------
 
 
-class _Works:
+class Joined:
     """Several collectives in flight as one: wait() waits for each, then runs `then` once."""
 
     def __init__(self, works: list, then: Callable[[], object] | None = None):
@@ -114,7 +114,7 @@ class _Works:
         return True
 
 
-def _finish_or_return(works: _Works, async_op: bool) -> _Works | None:
+def _finish_or_return(works: Joined, async_op: bool) -> Joined | None:
     if async_op:
         return works
     works.wait()
@@ -122,16 +122,16 @@ def _finish_or_return(works: _Works, async_op: bool) -> _Works | None:
 
 
 def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, red, group,
-                                  async_op: bool, scratch_input: bool) -> _Works | None:
+                                  async_op: bool, scratch_input: bool) -> Joined | None:
     rank, k = dist.get_rank(group), output.numel()
     buffer = input if scratch_input else input.clone()  # (world_size * k,)
     work = dist.all_reduce(buffer, op=red, group=group, async_op=True)
     own = buffer.view(-1)[rank * k:(rank + 1) * k]  # (k,)
-    return _finish_or_return(_Works([work], lambda: output.view(-1).copy_(own)), async_op)
+    return _finish_or_return(Joined([work], lambda: output.view(-1).copy_(own)), async_op)
 
 
 def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group,
-                              async_op: bool) -> _Works | None:
+                              async_op: bool) -> Joined | None:
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     k = input.numel()
     chunks = [output.view(-1)[r * k:(r + 1) * k] for r in range(world_size)]  # N x (k,)
@@ -140,4 +140,4 @@ def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group,
     works = [dist.broadcast(chunk, r if group is None else dist.get_global_rank(group, r),
                             group=group, async_op=True)
              for r, chunk in enumerate(chunks)]
-    return _finish_or_return(_Works(works), async_op)
+    return _finish_or_return(Joined(works), async_op)

@@ -150,11 +150,7 @@ class ZeRO1Naive(ZeRO1):
     name = "zero1naive"
 
     def _reduce(self, bucket: ShardedBucket, phase: str) -> None:
-        bucket.reduced = True
-        handle = comm.all_reduce(bucket.flat_grad, op="avg",
-                                 tag=f"{self.name}/{phase}/{bucket.name}", group=self.group,
-                                 async_op=True)
-        self._pending.append((handle, None))
+        DDP._reduce(self, bucket, phase)  # DDP's all-reduce of the whole bucket (2Ψ, not Ψ)
         # Every rank gets the whole averaged gradient, and uses 1/N of it.
         bucket.local_shard.grad = shard(bucket.flat_grad, bucket.layout, self.rank)
 

@@ -28,12 +28,11 @@ In fp32, as zerolab trains, int8 is a quarter of the forward gather, not a half.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 
 from zerolab import comm
+from zerolab.backends import Joined
 from zerolab.mesh import Nodes, make_nodes
 from zerolab.quantize import BLOCK, dequantize_int8, quantize_int8
 from zerolab.zero3 import WeightGather
@@ -59,7 +58,7 @@ class ZeroPPGather(WeightGather):
             return self._gather_int8(b, phase, async_op)
         return super().gather(b, phase, async_op)
 
-    def _gather_int8(self, b, phase: str, async_op: bool) -> _Then:
+    def _gather_int8(self, b, phase: str, async_op: bool) -> Joined:
         world_size = b.layout.world_size
         q, scales = quantize_int8(b.local_shard.detach())  # (shard_numel,), (blocks,)
         all_q = torch.empty(world_size * q.numel(), dtype=torch.int8, device=q.device)
@@ -75,7 +74,7 @@ class ZeroPPGather(WeightGather):
                                              all_scales.view(world_size, -1))):
                 rows[r].copy_(dequantize_int8(qr, sr, BLOCK))
 
-        return _Then(handles, dequantize)
+        return Joined(handles, dequantize)
 
     def after_forward(self, b) -> None:
         if self.nodes is not None:  # hpZ: keep this rank's part of the node's copy
@@ -88,17 +87,3 @@ class ZeroPPGather(WeightGather):
 
     def held(self) -> list[torch.Tensor]:
         return list(self.secondary.values())
-
-
-class _Then:
-    """Collectives in flight as one: wait() waits for each, then runs `then` once."""
-
-    def __init__(self, handles: list[comm.Handle], then: Callable[[], None]):
-        self._handles, self._then = handles, then
-
-    def wait(self) -> None:
-        for h in self._handles:
-            h.wait()
-        if self._then is not None:
-            self._then()
-            self._then = None
