@@ -13,7 +13,7 @@ import pytest
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 EXPECTED = ["00_launch", "01_ddp_memory", "02_collectives", "03_zero1", "04_zero2", "05_zero3",
-            "06_fsdp2", "07_scaling"]
+            "06_fsdp2", "07_scaling", "08_activations"]
 IGNORE_MARKERS = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")
 
 
@@ -22,7 +22,7 @@ def code_cells(path: Path) -> list[dict]:
     return [c for c in cells if c["cell_type"] == "code" and "".join(c["source"]).strip()]
 
 
-def test_the_course_has_its_eight_notebooks():
+def test_the_course_has_its_notebooks():
     assert [p.stem for p in NOTEBOOKS] == EXPECTED
 
 

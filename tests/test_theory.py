@@ -296,3 +296,91 @@ def test_theory_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "38.5 GB"
+
+
+# --- activations (notebook 08) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", theory.ATTENTIONS)
+def test_activation_terms_per_block(attention):
+    s, b, h, a = 32, 2, 64, 4
+    terms = theory.activation_terms(s, b, h, a, attention=attention)
+    linear = 4 * s * b * (16 * h + 4)  # 16h fp32 elements and 4 statistics per token
+    core = 4 * a * s * b if attention == "sdpa" else 4 * a * s * s * b + s * s
+    assert sum(terms.values()) == linear + core
+    assert theory.activation_bytes(s, b, h, a, 3, attention=attention) == 3 * (linear + core)
+    # 16-bit halves the activations, not the fp32 statistics nor the 1-byte mask
+    half = theory.activation_bytes(s, b, h, a, attention=attention, bytes_per_element=2)
+    stats = 16 * s * b + (4 * a * s * b if attention == "sdpa" else s * s)
+    probabilities = 0 if attention == "sdpa" else 4 * a * s * s * b
+    assert half == (linear + core - stats - probabilities) / 2 + stats + probabilities / 2
+
+
+def test_checkpointing_terms():
+    s, b, h, a = 64, 2, 32, 4
+    assert theory.activation_terms(s, b, h, a, checkpoint="full") == {
+        "block input (kept for the recompute)": 4 * s * b * h}
+    for attention in theory.ATTENTIONS:  # selective keeps the same for both attentions
+        assert theory.activation_bytes(s, b, h, a, attention=attention,
+                                       checkpoint="selective") == 4 * s * b * (16 * h + 4)
+    assert theory.checkpoint_name("full") == "block"
+    assert theory.checkpoint_name("selective") == "attention"
+    with pytest.raises(ValueError, match="unknown checkpointing"):
+        theory.checkpoint_name("some")
+    with pytest.raises(ValueError, match="attention must be"):
+        theory.activation_terms(s, b, h, a, attention="flash")
+    # a recompute: one whole block (its input already kept), or one attention core
+    full = theory.activation_bytes(s, b, h, a)
+    assert theory.recompute_bytes(s, b, h, a, checkpoint="block") == full - 4 * s * b * h
+    assert theory.recompute_bytes(s, b, h, a) == 0
+    assert theory.recompute_bytes(s, b, h, a, checkpoint="attention") == (
+        4 * s * b * h + 4 * a * s * b)
+    assert theory.recompute_bytes(s, b, h, a, attention="explicit", checkpoint="attention") == (
+        3 * 4 * s * b * h + 4 * a * s * s * b + s * s)
+
+
+def test_explicit_attention_is_korthikanti_without_dropout_in_fp32():
+    """Their sbh(34 + 5as/h) in 16-bit with dropout: take away the dropout masks (2sbh, as²b)
+    and the dropout output (2as²b), double for fp32; add the statistics and the mask."""
+    s, b, h, a = 128, 4, 64, 8
+    paper = theory.activation_bytes_estimate(s, b, h, a)
+    no_dropout = paper - 2 * s * b * h - 3 * a * s * s * b
+    ours = theory.activation_bytes(s, b, h, a, attention="explicit")
+    assert ours == 2 * no_dropout + 16 * s * b + s * s
+
+
+def test_model_activations_and_the_peak():
+    shape = theory.ModelShape(hidden=64, num_layers=4, num_heads=4, vocab_size=64)
+    s, b = 256, 2
+    head = theory.head_activation_bytes(s, b, 64, 64)
+    assert head == 8 * (2 * s * b + s) + 4 * s * b * (2 * 64 + 64) + 8 * s * b
+    kept = theory.model_activation_bytes(shape, s, b, peak=False)
+    assert kept == 4 * theory.activation_bytes(s, b, 64, 4) + head
+    assert theory.model_activation_bytes(shape, s, b) == kept  # no recompute: the end of forward
+    # full checkpointing: backward's first recompute, (L - 1) inputs + one whole block
+    one_input = 4 * s * b * 64
+    peak = theory.model_activation_bytes(shape, s, b, checkpoint="block")
+    assert peak == max(4 * one_input + head, 3 * one_input + theory.activation_bytes(s, b, 64, 4))
+
+
+def test_model_shapes():
+    assert theory.MODEL_SHAPES["125M"].num_params == 124_439_808 - 1024 * 768  # no positions
+    eight = theory.MODEL_SHAPES["8B"]
+    assert (eight.hidden, eight.num_layers, eight.num_heads, eight.vocab_size) == (
+        4096, 32, 32, 128256)
+    assert 7.4e9 < eight.num_params < 7.6e9  # Llama-3-8B's 8.0e9 has a wider, gated MLP
+
+
+def test_longest_sequence():
+    shape = theory.MODEL_SHAPES["8B"]
+    states = theory.model_state_memory(8e9, 8, "ZeRO-3", precision="mixed").total
+    kw = {"bytes_per_element": 2}
+    longest = theory.longest_sequence(shape, 80e9, states, **kw)
+    fits = states + theory.model_activation_bytes(shape, longest, **kw)
+    assert fits <= 80e9 < states + theory.model_activation_bytes(shape, longest + 1, **kw)
+    assert 14_000 < longest < 14_500  # notebook 08's figure
+    alone = theory.longest_sequence(shape, 80e9, 0, **kw)  # N -> infinity: activations alone
+    assert longest < theory.longest_sequence(shape, 80e9, states / 8, **kw) < alone < 18_000
+    assert theory.longest_sequence(shape, 80e9, states, checkpoint="full", **kw) > 100_000
+    assert theory.longest_sequence(shape, 80e9, 81e9, **kw) == 0
+    assert theory.longest_sequence(shape, 1e15, 0, limit=1000, **kw) == 1000

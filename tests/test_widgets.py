@@ -93,7 +93,8 @@ def test_calculator_builds_and_shows_the_seeds_numbers():
     assert "ZeRO-3 holds 14 GB per GPU on 8 GPUs" in text(calc.table_html)
     assert bytes(calc.image.value).startswith(b"\x89PNG")
     assert set(calc.controls) == {"model", "billions", "world_size", "stage", "precision",
-                                  "optimizer", "fp32_grad_accum"}
+                                  "optimizer", "fp32_grad_accum", "seq_len", "micro_batch",
+                                  "attention", "checkpoint", "gpu_memory"}
 
 
 def test_calculator_updates_when_controls_change():
@@ -159,3 +160,89 @@ def test_calculator_falls_back_to_static_html():
     assert "<table" in bundle["text/html"] and "data:image/png" in bundle["text/html"]
     assert "ZeRO-2 holds 38.5 GB" in text(bundle["text/html"])
     assert calc.show_static() is calc.calculation
+
+
+# --- activations (notebook 08) -------------------------------------------------------------------
+
+
+def test_without_a_sequence_length_the_calculator_is_unchanged():
+    calc = widgets.calculate("7B", world_size=8, stage="ZeRO-3")
+    assert calc.activations is None
+    shown = text(widgets.table_html(calc))
+    assert "model states only (no activations)" in shown and "activations (not" not in shown
+    assert len(widgets.figure(calc).axes[0].patches) == 3 * 4  # params, grads, optimizer
+
+
+def test_activations_are_the_same_for_every_stage():
+    calc = widgets.calculate("8B", world_size=8, stage="ZeRO-3", precision="mixed",
+                             seq_len=8192)
+    act = calc.activations
+    shape = theory.MODEL_SHAPES["8B"]
+    assert act.shape == shape and act.bytes_per_element == 2
+    assert act.nbytes == theory.model_activation_bytes(shape, 8192, bytes_per_element=2)
+    shown = text(widgets.table_html(calc))
+    assert shown.count(theory.format_bytes(act.nbytes, decimal=True)) >= 4  # one per stage
+    assert "ZeRO-3 holds 16 GB per GPU on 8 GPUs (DDP: 128 GB, 8x less)." in shown
+    assert "add 36.6 GB on every GPU, whatever the stage (no checkpointing)" in shown
+    assert "longest s that fits in 80 GB" in shown and "14,311" in shown  # ZeRO-3, N = 8
+    assert act.longest["DDP"] == 0  # 128 GB of model states: nothing fits
+
+
+def test_checkpointing_and_micro_batch_in_the_calculator():
+    def nbytes(**kw):
+        return widgets.calculate("8B", 8, "ZeRO-3", "mixed", seq_len=4096, **kw).activations.nbytes
+    assert nbytes(micro_batch=2) == pytest.approx(2 * nbytes(), rel=1e-6)
+    assert nbytes(checkpoint="full") < nbytes(checkpoint="selective") <= nbytes()
+    assert nbytes(attention="explicit") > 2 * nbytes()
+    assert nbytes(checkpoint="full") == nbytes(checkpoint="block")
+    # a parameter count takes the shape of the nearest preset
+    calc = widgets.calculate(7.2e9, seq_len=1024)
+    assert calc.activations.shape_name == "7B"
+
+
+def test_activation_figures():
+    calc = widgets.calculate("8B", 8, "ZeRO-3", "mixed", seq_len=16384, checkpoint="full")
+    bars = widgets.figure(calc).axes[0]
+    assert len(bars.patches) == 4 * 4  # activations stacked on every stage
+    ax = widgets.activation_figure(calc).axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["model states", "+ activations, none", "+ activations, full",
+                      "+ activations, full, this setting", "+ activations, selective",
+                      "80 GB GPU"]
+    assert ax.get_yscale() == "log" and ax.get_ylabel() == "bytes per GPU (GB)"
+    with pytest.raises(ValueError, match="no activations"):
+        widgets.activation_figure(widgets.calculate())
+
+
+def test_static_display_with_activations_is_three_outputs(monkeypatch):
+    pytest.importorskip("IPython")
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    widgets.calculator_static("8B", seq_len=4096)._ipython_display_()
+    assert [type(o).__name__ for o in shown] == ["HTML", "Image", "Image"]
+
+
+def test_calculator_widget_activation_controls():
+    calc = widgets.calculator("8B", precision="mixed", seq_len=16384)
+    assert "add 73.3 GB on every GPU" in text(calc.table_html)
+    png = bytes(calc.activation_image.value)
+    calc.controls["checkpoint"].value = "block"
+    assert "(full checkpointing)" in text(calc.table_html)
+    assert bytes(calc.activation_image.value) != png
+    calc.controls["seq_len"].value = 0  # off: model states only, as in notebooks 01-07
+    assert calc.calculation.activations is None
+    assert calc.activation_image.layout.display == "none"
+    assert calc.controls["micro_batch"].disabled
+    assert "model states only (no activations)" in text(calc.table_html)
+
+
+def test_calculator_widget_starts_without_activations():
+    calc = widgets.calculator()
+    assert calc.controls["seq_len"].value == 0 and calc.calculation.activations is None
+    calc.controls["seq_len"].value = 8192
+    assert calc.calculation.activations.seq_len == 8192
+    assert "add 70.1 GB on every GPU" in text(calc.table_html)  # 7B shape, fp32
+    with pytest.raises(TypeError, match="unknown settings"):
+        widgets.calculator(sequence=4)

@@ -15,6 +15,12 @@ what the model holds *right now* (engines have `state_tensors()` for this). Ever
 is alive (activations, gathered buffers in flight, temporaries) is "other". Categories are read
 after every op, so a tensor that an op allocates and Python code only then stores (a gradient
 assigned to .grad) counts as "other" until the next op; totals are exact at every op.
+
+`track_memory(categorize, activations=True)` adds an "activations" category: the storages
+autograd holds *right now* to compute the backward (`SavedForBackward`: a
+torch.autograd.graph.saved_tensors_hooks pair), parameters left out. It is what ZeRO does not
+shard. Recomputed activations inside torch.utils.checkpoint's backward are held by checkpoint
+itself, not by autograd's saved slots, and stay "other".
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zerolab.nest import tensors_in
 
 CATEGORIES = ("params", "grads", "optimizer")
+ACTIVATIONS = "activations"  # optional category: storages autograd saved for backward
 StateTensors = dict[str, Iterable[torch.Tensor]]
 
 
@@ -100,13 +107,69 @@ class MemoryTrace:
             self.max_by_category[c] = max(self.max_by_category.get(c, 0), b)
 
 
+class _Held:
+    """What the pack hook hands autograd instead of a tensor: autograd keeps it exactly as long
+    as it keeps the saved tensor (until the backward that uses it, or the graph, is freed)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+
+class SavedForBackward:
+    """Every tensor autograd saves for backward inside the `with` block, while autograd holds it.
+
+        with SavedForBackward() as saved:
+            loss = model(x).sum()          # each op saves what its backward needs
+        saved.tensors()                    # alive now: everything forward saved
+        loss.backward()                    # each node frees its saved tensors as it runs
+        saved.tensors()                    # []
+
+    `on_save(tensor)` is called for each save (a tensor saved by two ops, or two views of one
+    storage, are seen twice: count storages, with `distinct_bytes`). Saving goes on working
+    after the block ends; only new saves are no longer seen. One pair of saved-tensor hooks is
+    active at a time: an inner one (torch.utils.checkpoint's, inside a checkpointed region)
+    takes over from this one.
+    """
+
+    def __init__(self, on_save: Callable[[torch.Tensor], None] | None = None):
+        self.on_save = on_save
+        self._held: weakref.WeakSet[_Held] = weakref.WeakSet()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, tensor: torch.Tensor) -> _Held:
+        held = _Held(tensor)
+        self._held.add(held)
+        if self.on_save is not None:
+            self.on_save(tensor)
+        return held
+
+    @staticmethod
+    def _unpack(held: _Held) -> torch.Tensor:
+        return held.tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The saved tensors autograd still holds (views and repeats included)."""
+        return [held.tensor for held in list(self._held)]
+
+    def __enter__(self) -> SavedForBackward:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
 class _Tracker(TorchDispatchMode):
     """Sees every op's outputs; a finalizer on each new storage tells when it is freed."""
 
-    def __init__(self, categorize: Callable[[], StateTensors] | None, trace: MemoryTrace):
+    def __init__(self, categorize: Callable[[], StateTensors] | None, trace: MemoryTrace,
+                 saved: SavedForBackward | None = None):
         super().__init__()
         self.categorize = categorize or dict
         self.trace = trace
+        self.saved = saved  # activations=True: what autograd holds for backward
         # id(storage) -> (weak reference, finalizer). Bytes are read at each sample, so that a
         # storage resized in place (how ZeRO-3 frees a gathered unit) is counted as it is now.
         self.live: dict[int, tuple[weakref.ref, weakref.finalize]] = {}
@@ -123,11 +186,14 @@ class _Tracker(TorchDispatchMode):
 
     def sample(self) -> None:
         category_of: dict[int, str] = {}
-        for category, tensors in self.categorize().items():
+        categories = dict(self.categorize())
+        if self.saved is not None:  # after the model state: a saved weight stays "params"
+            categories[ACTIVATIONS] = self.saved.tensors()
+        for category, tensors in categories.items():
             for t in tensors:
                 self.watch(t)  # state created outside dispatch (e.g. by the autograd engine)
                 category_of.setdefault(id(t.untyped_storage()), category)
-        by_category = dict.fromkeys((*CATEGORIES, "other"), 0)
+        by_category = dict.fromkeys((*CATEGORIES, *categories, "other"), 0)
         for key, (ref, _) in list(self.live.items()):
             storage = ref()
             if storage is not None:
@@ -154,21 +220,29 @@ class track_memory:  # noqa: N801 (used like a function: `with track_memory(...)
 
     Counts the model state present at entry plus every tensor allocated inside the block while it
     lives. On CUDA, `device_peak_bytes` is the allocator's peak over the block as well.
+    activations=True: the storages autograd saves for backward inside the block are a category
+    of their own, "activations" (see `SavedForBackward`), instead of "other".
     """
 
-    def __init__(self, categorize: Callable[[], StateTensors] | None = None):
+    def __init__(self, categorize: Callable[[], StateTensors] | None = None,
+                 activations: bool = False):
         self.trace = MemoryTrace()
-        self._tracker = _Tracker(categorize, self.trace)
+        self._saved = SavedForBackward() if activations else None
+        self._tracker = _Tracker(categorize, self.trace, self._saved)
 
     def __enter__(self) -> MemoryTrace:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
         self._tracker.sample()  # registers the state present at entry
+        if self._saved is not None:
+            self._saved.__enter__()
         self._tracker.__enter__()
         return self.trace
 
     def __exit__(self, *exc) -> None:
         self._tracker.__exit__(*exc)
+        if self._saved is not None:
+            self._saved.__exit__(*exc)
         self._tracker.close()
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             self.trace.device_peak_bytes = torch.cuda.max_memory_allocated()

@@ -27,6 +27,7 @@ CATEGORY_COLORS = {
     "params": "#4c72b0",
     "grads": "#dd8452",
     "optimizer": "#55a868",
+    "activations": "#c44e52",  # saved for backward (memory.track_memory(activations=True))
     "other": "#8c8c8c",
 }
 _EXTRA_COLORS = ["#c44e52", "#8172b3", "#937860", "#da8bc3", "#ccb974", "#64b5cd"]
@@ -39,6 +40,7 @@ OP_COLORS = {
     "recv": "#ccb974",
 }
 SPAN_COLORS = {"forward": "#a1c9a1", "backward": "#f2b880", "step": "#b7a6d9"}
+SPAN_COLORS["recompute"] = "#4f8f5f"  # a checkpointed forward, run again inside backward
 _UNKNOWN_COLOR = "#bbbbbb"
 
 _BINARY_UNITS = [("B", 1.0), ("KiB", 2.0**10), ("MiB", 2.0**20), ("GiB", 2.0**30)]

@@ -330,3 +330,157 @@ def activation_bytes_estimate(
     """
     s, b, h, a = seq_len, batch_size, hidden, num_heads
     return num_layers * s * b * h * (34 + 5 * a * s / h)
+
+
+# --- activations: what each rank keeps for backward, and ZeRO does not shard ----------------------
+# Derived from the course GPT's Block.forward (zerolab/models.py), op by op: what each op's
+# backward needs, each storage once, parameters left out. s = sequence length, b = micro-batch
+# (sequences per rank), h = hidden size, a = heads, e = bytes per activation element (4 fp32,
+# 2 bf16/fp16). Statistics (LayerNorm's mean and rstd, the logsumexp) are fp32 even in 16-bit
+# training. No dropout (the course GPT has none).
+
+ATTENTIONS = ("sdpa", "explicit")  # fused attention, or softmax(QK^T)V written out
+CHECKPOINTS = ("none", "block", "attention")  # GPTConfig.checkpoint's names
+_CHECKPOINT_ALIASES = {"full": "block", "selective": "attention", **{c: c for c in CHECKPOINTS}}
+STAT_BYTES, TOKEN_BYTES = 4, 8  # fp32 statistics; int64 token ids and positions
+
+
+def checkpoint_name(checkpoint: str) -> str:
+    """'full' -> 'block' (recompute each block), 'selective' -> 'attention'; 'none' stays."""
+    if checkpoint not in _CHECKPOINT_ALIASES:
+        raise ValueError(f"unknown checkpointing {checkpoint!r}; expected one of "
+                         f"{sorted(_CHECKPOINT_ALIASES)}")
+    return _CHECKPOINT_ALIASES[checkpoint]
+
+
+def activation_terms(seq_len: int, batch_size: int, hidden: int, num_heads: int, *,
+                     attention: str = "sdpa", checkpoint: str = "none",
+                     bytes_per_element: float = 4) -> dict[str, float]:
+    """Bytes one transformer block keeps for backward, term by term (one rank, one micro-batch).
+
+    Without checkpointing, per token: 16h elements (the two LayerNorms' inputs and outputs, q,
+    k and v, the attention output, the GELU's input and output of 4h each) and 4 fp32
+    statistics; then the attention core: "sdpa" keeps a logsumexp per head and token (linear
+    in s); "explicit" keeps the softmax probabilities (b, a, s, s) and the causal mask (s, s)
+    (quadratic in s). checkpoint="block": the block's input only; "attention": the core is
+    recomputed in backward, so its own terms go (16h + 4 for either attention).
+    """
+    s, b, h, a, e = seq_len, batch_size, hidden, num_heads, bytes_per_element
+    sbh, checkpoint = s * b * h, checkpoint_name(checkpoint)
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
+    if checkpoint == "block":
+        return {"block input (kept for the recompute)": e * sbh}
+    explicit = attention == "explicit" and checkpoint == "none"
+    terms = {
+        "LayerNorm inputs: x, x + attention": 2 * e * sbh,
+        "LayerNorm outputs: qkv's and fc's inputs": 2 * e * sbh,
+        "LayerNorm mean and rstd (fp32)": 2 * 2 * STAT_BYTES * s * b,
+        # explicit: bmm needs contiguous q, k, v, and the reshape before proj copies its input
+        ("q, k, v: copies for the matmuls" if explicit else "q, k, v: qkv's output"): 3 * e * sbh,
+        ("attention output, reshaped copy" if explicit else "attention output"): e * sbh,
+    }
+    if checkpoint == "none" and attention == "sdpa":
+        terms["logsumexp (fp32)"] = STAT_BYTES * a * s * b
+    elif explicit:
+        terms["softmax(QK^T) probabilities (b, a, s, s)"] = e * a * s * s * b
+        terms["causal mask (s, s), 1 byte each"] = s * s
+    terms["fc output: GELU's input (4h)"] = 4 * e * sbh
+    terms["GELU output: fc_out's input (4h)"] = 4 * e * sbh
+    return terms
+
+
+def activation_bytes(seq_len: int, batch_size: int, hidden: int, num_heads: int,
+                     num_layers: int = 1, **kwargs) -> float:
+    """Bytes `num_layers` blocks keep for backward at the end of forward (`activation_terms`
+    summed; same keywords). In fp32 without checkpointing, per block:
+
+        sdpa      4·s·b·(16h + 4 + a)
+        explicit  4·s·b·(16h + 4) + 4·a·s²·b + s²
+    """
+    return num_layers * sum(activation_terms(seq_len, batch_size, hidden, num_heads,
+                                             **kwargs).values())
+
+
+def recompute_bytes(seq_len: int, batch_size: int, hidden: int, num_heads: int, *,
+                    attention: str = "sdpa", checkpoint: str = "none",
+                    bytes_per_element: float = 4) -> float:
+    """What one recompute in backward saves again, for a moment: a whole block ("block", its
+    input already kept), or one attention core ("attention": sdpa its output and logsumexp;
+    explicit the q, k, v copies, the probabilities and the mask). 0 without checkpointing."""
+    s, b, h, a, e = seq_len, batch_size, hidden, num_heads, bytes_per_element
+    checkpoint, shape = checkpoint_name(checkpoint), (s, b, h, a)
+    if checkpoint == "block":
+        full = activation_bytes(*shape, attention=attention, bytes_per_element=e)
+        return full - e * s * b * h
+    if checkpoint == "none":
+        return 0.0
+    if attention == "sdpa":
+        return e * s * b * h + STAT_BYTES * a * s * b
+    return 3 * e * s * b * h + e * a * s * s * b + s * s
+
+
+def head_activation_bytes(seq_len: int, batch_size: int, hidden: int, vocab_size: int,
+                          bytes_per_element: float = 4) -> float:
+    """What the model keeps for backward outside its blocks: token ids, positions and targets
+    (int64), the final LayerNorm's input, statistics and output, the logits' log-softmax."""
+    s, b, h, v, e = seq_len, batch_size, hidden, vocab_size, bytes_per_element
+    return TOKEN_BYTES * (2 * s * b + s) + e * s * b * (2 * h + v) + 2 * STAT_BYTES * s * b
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What activations depend on: the shape, not just Ψ. GPT-style blocks (4h MLP)."""
+
+    hidden: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int
+    tied_embeddings: bool = True
+
+    @property
+    def num_params(self) -> int:
+        """Ψ without position embeddings (rotary positions have none)."""
+        return gpt_param_count(self.vocab_size, self.hidden, self.num_layers, 0,
+                               self.tied_embeddings)
+
+
+# Shapes for the calculator's presets (GPT-2 small, GPT-3 XL, Llama-2 7B and 70B widths), and
+# "8B": Llama-3-8B's width, depth, heads and vocabulary, with the course's GPT block.
+MODEL_SHAPES = {
+    "125M": ModelShape(768, 12, 12, 50257),
+    "1.3B": ModelShape(2048, 24, 16, 50257),
+    "7B": ModelShape(4096, 32, 32, 32000, tied_embeddings=False),
+    "8B": ModelShape(4096, 32, 32, 128256, tied_embeddings=False),
+    "70B": ModelShape(8192, 80, 64, 32000, tied_embeddings=False),
+}
+
+
+def model_activation_bytes(shape: ModelShape, seq_len: int, batch_size: int = 1, *,
+                           peak: bool = True, **kwargs) -> float:
+    """One rank's activations for a step: every block and the head, at the end of forward.
+
+    peak=True: or, if more, what the first recompute of backward holds: the blocks' kept
+    bytes and one recompute (`recompute_bytes`), the head's already freed (for selective
+    checkpointing a little more than that: the last block's MLP is freed by then). Gradients
+    in flight come on top. kwargs: attention, checkpoint, bytes_per_element.
+    """
+    args = (seq_len, batch_size, shape.hidden, shape.num_heads)
+    blocks = activation_bytes(*args, shape.num_layers, **kwargs)
+    e = kwargs.get("bytes_per_element", 4)
+    kept = blocks + head_activation_bytes(seq_len, batch_size, shape.hidden, shape.vocab_size, e)
+    return max(kept, blocks + recompute_bytes(*args, **kwargs)) if peak else kept
+
+
+def longest_sequence(shape: ModelShape, memory_bytes: float, state_bytes: float,
+                     batch_size: int = 1, *, limit: int = 2**24, **kwargs) -> int:
+    """The longest sequence whose activations (`model_activation_bytes`, same kwargs) fit next
+    to `state_bytes` in `memory_bytes`: 0 if not one token does, at most `limit`."""
+    def fits(s: int) -> bool:
+        return state_bytes + model_activation_bytes(shape, s, batch_size, **kwargs) <= memory_bytes
+
+    lo, hi = 0, limit + 1  # fits(lo) (nothing at all) and not fits(hi), by convention
+    while hi - lo > 1:  # activations grow with s: bisect
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

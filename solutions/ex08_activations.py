@@ -1,0 +1,77 @@
+"""Exercises for notebook 08: the activation memory ZeRO does not shard, and checkpointing.
+
+Check your answers with `grade("ex08")` in the notebook, or `python -m zerolab.grade ex08`.
+"""
+
+from __future__ import annotations
+
+
+def bytes_saved(batch: int, seq_len: int, hidden: int, heads: int, attention: str) -> int:
+    """Exercise 8.1: The bytes one block of the course GPT keeps for backward.
+
+    Inputs: batch: b sequences; seq_len: s tokens each; hidden: h, the block's width (n_embd);
+    heads: a, the attention heads (n_head, which divides h); attention: "sdpa" (fused) or
+    "explicit" (softmax(QK^T)V written out), as GPTConfig.attention.
+    Returns: an int: the bytes that one `Block` of zerolab.models, in fp32 and without
+    checkpointing, holds for backward once its forward is done, counted as
+    zerolab.activations measures them: every storage autograd saved during the block's
+    forward, each once (views of one storage count once), parameters left out. The block's
+    input counts (its first LayerNorm saves it); its output does not (the next block's does).
+    Example: b=2, s=16, h=32, a=2: "sdpa" 66,304 bytes, "explicit" 70,400 bytes.
+    Graded on: both attentions at a tiny shape, the example's, notebook 08's sweep shapes, an
+    odd shape (b=3, s=100, h=48, a=6) and a long one (s=8192, h=4096, a=32). Compared
+    exactly.
+
+    Hint: read Block.forward op by op and ask what each op's backward needs; section 1 of the
+    notebook lists what autograd saved for one shape, with the op that saved it.
+    """
+    # BEGIN SOLUTION
+    tokens = batch * seq_len
+    # Per token, 16h fp32 elements: the two LayerNorms' inputs and outputs (4h), q, k, v (3h),
+    # the attention output (h), the GELU's input and output (8h); and the two LayerNorms'
+    # mean and rstd (4 floats).
+    total = tokens * (16 * hidden * 4 + 4 * 4)
+    if attention == "sdpa":
+        total += 4 * heads * tokens  # the logsumexp, one float per head and token
+    else:
+        # the softmax probabilities (b, a, s, s) in fp32 and the (s, s) boolean causal mask
+        total += 4 * heads * seq_len * seq_len * batch + seq_len * seq_len
+    return total
+    # END SOLUTION
+
+
+def blocks_to_checkpoint(block_bytes: list[int], input_bytes: list[int], head_bytes: int,
+                         budget: int) -> list[int] | None:
+    """Exercise 8.2: Which blocks to checkpoint so that the activations fit in a budget.
+
+    Inputs: block_bytes[i]: what block i keeps for backward without checkpointing;
+    input_bytes[i]: what it keeps when it is checkpointed (its input only; never more than
+    block_bytes[i]); head_bytes: what the rest of the model keeps; budget: the bytes the
+    activations may take at the end of forward.
+    Returns: the sorted indices of the blocks to checkpoint, or None if even checkpointing
+    every block does not fit. At the end of forward the model keeps head_bytes plus, for each
+    block, input_bytes[i] if it is checkpointed and block_bytes[i] if not; that must be
+    <= budget. Each checkpointed block runs its forward again in backward, so checkpoint as
+    few blocks as possible; among equally few, keep the fewest bytes; among those, return the
+    smallest list (Python's list order: [0, 3] < [1, 2]).
+    Example: block_bytes [100, 300, 200], input_bytes [10, 10, 10], head_bytes 50, budget 400
+    -> [1]: 50 + 100 + 10 + 200 = 360 bytes.
+    Graded on: the notebook's GPT (four equal blocks) and an 8B-shaped model at budgets from
+    everything-fits to nothing-fits, unequal blocks, equal savings at different indices, and
+    no blocks at all. Compared exactly.
+
+    Hint: checkpointing block i saves block_bytes[i] - input_bytes[i]. With k blocks
+    checkpointed, which k save the most?
+    """
+    # BEGIN SOLUTION
+    kept = head_bytes + sum(block_bytes)
+    # Largest saving first; among equal savings, the lower index first.
+    order = sorted(range(len(block_bytes)), key=lambda i: (input_bytes[i] - block_bytes[i], i))
+    chosen: list[int] = []
+    for i in order:
+        if kept <= budget:
+            break
+        chosen.append(i)
+        kept -= block_bytes[i] - input_bytes[i]
+    return sorted(chosen) if kept <= budget else None
+    # END SOLUTION
