@@ -1,10 +1,18 @@
 """zerolab.memory: distinct storages, and the tracker on cases whose answer is known exactly."""
 
+import pytest
 import torch
 from torch import nn
 
+import zerolab
 from zerolab import models
-from zerolab.memory import distinct_bytes, model_state_bytes, module_state, track_memory
+from zerolab.memory import (
+    InFlight,
+    distinct_bytes,
+    model_state_bytes,
+    module_state,
+    track_memory,
+)
 
 # --- model_state_bytes: every storage once ----------------------------------------------------
 
@@ -189,3 +197,49 @@ def test_trace_is_closed_at_exit():
     del x
     torch.empty(100)
     assert len(trace.samples) == n  # nothing recorded after the block
+
+
+# --- "comm": buffers a collective is using now ----------------------------------------------
+
+
+def test_in_flight_lists_buffers_without_keeping_them_alive():
+    in_flight = InFlight()
+    full, received = torch.zeros(8), torch.zeros(2)
+    in_flight.add(full, received)
+    assert {id(t) for t in in_flight.tensors()} == {id(full), id(received)}
+    del full  # freed by the code that made it: no longer listed, and not kept alive for it
+    assert [id(t) for t in in_flight.tensors()] == [id(received)]
+
+
+def test_comm_is_a_category_of_its_own_and_no_model_state():
+    param, buffer = torch.zeros(16), torch.zeros(4)  # 64 and 16 bytes
+    state = {"params": [param], "grads": [], "optimizer": [], "comm": [buffer]}
+    assert model_state_bytes(state) == {"params": 64, "grads": 0, "optimizer": 0}
+    with track_memory(lambda: state) as trace:
+        scratch = torch.ones(2)  # 8 bytes: a temporary, "other"
+        sync()
+        del scratch
+    assert trace.max_by_category == {"params": 64, "grads": 0, "optimizer": 0, "comm": 16,
+                                     "other": 8}
+    assert list(trace.samples[0][1]) == ["params", "grads", "optimizer", "comm", "other"]
+
+
+@pytest.mark.parametrize("engine_cls, kwargs", [
+    ("ZeRO2", {}),  # the flattened full gradient of the bucket being reduce-scattered
+    ("ZeRO3", {"quantize_weights": True}),  # qwZ: int8 values and scales gathered
+])
+def test_engines_list_their_buffers_in_flight_as_comm(engine_cls, kwargs):
+    """One rank, no process group: the collectives are local copies, the buffers the same."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    engine = getattr(zerolab, engine_cls)(model, torch.optim.AdamW, lr=1e-3, **kwargs)
+    x, y = model.make_batch(4)
+    with track_memory(engine.state_tensors) as trace:
+        model.loss(engine(x), y).backward()
+        engine.step()
+    assert trace.max_by_category["comm"] > 0
+    assert set(engine.model_state_bytes()) == {"params", "grads", "optimizer"}
+    if engine_cls == "ZeRO2":  # at least one bucket's full gradient, flattened and padded
+        smallest = min(4 * b.layout.padded_numel for b in engine.buckets)
+        assert trace.max_by_category["comm"] >= smallest
+    assert trace.samples[-1][1]["comm"] == 0  # nothing in flight once the step is done

@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 
 pytest.importorskip("ipywidgets")
 
-from zerolab import theory, widgets  # noqa: E402
+from zerolab import plots, theory, widgets  # noqa: E402
 
 
 def text(html: str) -> str:
@@ -55,13 +55,31 @@ def test_fp32_grad_accum_only_for_mixed():
     assert "2Ψ + 18Ψ/N" in text(widgets.table_html(calc))
 
 
-def test_figure_highlights_the_selected_stage():
+def bar_patches(ax):
+    """The stacked bars (the selected stage's outline is a patch too)."""
+    return [p for p in ax.patches if p.get_fill()]
+
+
+def test_figure_highlights_the_selected_stage_as_its_legend_says():
     fig = widgets.figure(widgets.calculate(stage="ZeRO-1"))
     ax = fig.axes[0]
-    assert ax.get_ylabel() == "bytes held (GB)"
-    assert [t.get_text() for t in ax.get_xticklabels()] == list(theory.STAGES)
-    alphas = {round(p.get_x() + p.get_width() / 2): p.get_alpha() for p in ax.patches}
-    assert alphas == {0: 0.35, 1: None, 2: 0.35, 3: 0.35}
+    assert ax.get_xticklabels()[1].get_fontweight() == "bold"
+    # Every bar in full colour, the colour its category has in the legend: nothing faded.
+    assert {p.get_alpha() for p in bar_patches(ax)} == {None}
+    legend = ax.get_legend()
+    entries = dict(zip([t.get_text() for t in legend.get_texts()], legend.legend_handles))
+    assert list(entries) == ["optimizer", "grads", "params", "selected: ZeRO-1"]
+    bar_colours = {matplotlib.colors.to_hex(p.get_facecolor()) for p in bar_patches(ax)}
+    legend_colours = {matplotlib.colors.to_hex(entries[c].get_facecolor())
+                      for c in ("optimizer", "grads", "params")}
+    assert bar_colours == legend_colours == {plots.CATEGORY_COLORS[c]
+                                             for c in ("params", "grads", "optimizer")}
+    # The selected stage: one outline around its whole stack (63 GB), drawn over stage 1 only.
+    (outline,) = [p for p in ax.patches if not p.get_fill()]
+    assert outline.get_x() < 1 < outline.get_x() + outline.get_width()
+    assert outline.get_height() == pytest.approx(63)
+    assert ax.get_ylabel() == "bytes per GPU (GB)"
+    assert [t.get_text() for t in ax.texts] == ["112 GB", "63 GB", "38.5 GB", "14 GB"]
 
 
 def test_static_display_has_table_and_figure():
@@ -170,7 +188,7 @@ def test_without_a_sequence_length_the_calculator_is_unchanged():
     assert calc.activations is None
     shown = text(widgets.table_html(calc))
     assert "model states only (no activations)" in shown and "activations (not" not in shown
-    assert len(widgets.figure(calc).axes[0].patches) == 3 * 4  # params, grads, optimizer
+    assert len(bar_patches(widgets.figure(calc).axes[0])) == 3 * 4  # params, grads, optim.
 
 
 def test_activations_are_the_same_for_every_stage():
@@ -203,7 +221,7 @@ def test_checkpointing_and_micro_batch_in_the_calculator():
 def test_activation_figures():
     calc = widgets.calculate("8B", 8, "ZeRO-3", "mixed", seq_len=16384, checkpoint="full")
     bars = widgets.figure(calc).axes[0]
-    assert len(bars.patches) == 4 * 4  # activations stacked on every stage
+    assert len(bar_patches(bars)) == 4 * 4  # activations stacked on every stage
     ax = widgets.activation_figure(calc).axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["model states", "+ activations, none", "+ activations, full",

@@ -1,8 +1,9 @@
 """Notebook 08's figures: activations against sequence length, and the whole memory of a rank.
 
-Kept beside `zerolab.plots` (whose helpers and colours they share) rather than in it, so that
-each file stays short. Same rules: plain data in, a `plots.CourseFigure` out; byte axes pick
-their unit from the data (binary for measurements, decimal GB with decimal=True).
+Kept beside `zerolab.plots` (whose helpers and colours, in plots_base.py, they share) rather
+than in it, so that each file stays short. Same rules: plain data in, a `CourseFigure` out;
+byte axes follow the course's unit convention (binary units for measurements, decimal GB with
+decimal=True for model-scale figures).
 """
 
 from __future__ import annotations
@@ -14,8 +15,18 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
-from zerolab import plots
-from zerolab.plots import CourseFigure, pick_unit
+from zerolab.plots_base import (
+    FIGSIZE,
+    CourseFigure,
+    byte_label,
+    category_colors,
+    category_label,
+    dedupe_legend,
+    legend_outside,
+    pick_unit,
+    rank_color,
+    shown_categories,
+)
 
 
 def curves(
@@ -48,15 +59,16 @@ def curves(
     top = max([v.max() for v in lines.values()] + [1]
               + [v for pts in measured.values() for v in pts.values()]
               + list((hlines or {}).values()))
-    unit, scale = pick_unit(top, decimal)
+    byte_unit = pick_unit(top, decimal)
+    scale = byte_unit[1]
 
     def name(label: str, kind: str) -> str:
         return f"{label}, {kind}" if kind else label
 
-    fig = CourseFigure(figsize=plots.FIGSIZE, layout="constrained")
+    fig = CourseFigure(figsize=FIGSIZE, layout="constrained")
     ax = fig.subplots()
     for i, lab in enumerate(labels):
-        color = plots._rank_color(i)
+        color = rank_color(i)
         if lab in lines:
             ax.plot(grid, lines[lab] / scale, color=color, label=name(lab, kinds[0]),
                     linestyle=("-", "--", "-.", ":")[i % 4], linewidth=2.0 if i % 2 else 2.6)
@@ -73,7 +85,7 @@ def curves(
     elif xs:
         ax.set_xticks(xs, [str(int(x)) for x in xs])
     ax.set_xlabel(xlabel)
-    ax.set_ylabel(f"{ylabel} ({unit})")
+    ax.set_ylabel(byte_label(ylabel, byte_unit))
     if logy:  # ticks at 1, 2, 5 x 10^k, written plainly (20, not 2x10^1)
         low = min([v.min() for v in lines.values()]
                   + [v for pts in measured.values() for v in pts.values()]) / scale
@@ -87,7 +99,8 @@ def curves(
     else:
         ax.set_ylim(0, top / scale * 1.1)
     ax.set_title(title)
-    plots._legend_outside(ax)
+    legend_outside(ax)
+    fig.byte_unit = byte_unit
     return fig
 
 
@@ -107,22 +120,23 @@ def stacked_panels(
     at the bottom, activations on top) and colours. capacity: a dashed line (a GPU's memory)
     across every panel; a bar that crosses it is what does not fit.
     """
-    categories = plots._category_order([c for bars in panels.values() for d in bars.values()
-                                        for c in d])
-    colors = plots._category_colors(categories)
-    totals = [sum(d.values()) for bars in panels.values() for d in bars.values()]
-    top = max(totals + [capacity or 0, 1])
-    unit, scale = pick_unit(top, decimal)
+    rows = [d for bars in panels.values() for d in bars.values()]
+    present = [c for d in rows for c in d]
+    categories = shown_categories(rows)
+    colors = category_colors(categories)
+    top = max([sum(d.values()) for d in rows] + [capacity or 0, 1])
+    byte_unit = pick_unit(top, decimal)
+    scale = byte_unit[1]
 
-    fig = CourseFigure(figsize=(plots.FIGSIZE[0] + 2, plots.FIGSIZE[1]), layout="constrained")
+    fig = CourseFigure(figsize=(FIGSIZE[0] + 2, FIGSIZE[1]), layout="constrained")
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     for k, (ax, (name, bars)) in enumerate(zip(axes, panels.items())):
         x = np.arange(len(bars))
         bottom = np.zeros(len(bars))
         for cat in categories:
             heights = np.array([d.get(cat, 0) for d in bars.values()]) / scale
-            ax.bar(x, heights, 0.65, bottom=bottom, color=colors[cat], label=cat,
-                   edgecolor="white")
+            ax.bar(x, heights, 0.65, bottom=bottom, color=colors[cat], edgecolor="white",
+                   label=category_label(cat, present))
             bottom += heights
         if capacity is not None:
             ax.axhline(capacity / scale, color="black", linestyle="--", linewidth=1.2,
@@ -131,10 +145,11 @@ def stacked_panels(
         ax.set_title(name, fontsize=10)
         if xlabels is not None:
             ax.set_xlabel(xlabels[k])
-    axes[0].set_ylabel(f"bytes per GPU ({unit})")
+    axes[0].set_ylabel(byte_label("bytes per GPU", byte_unit))
     axes[0].set_ylim(0, top / scale * 1.1)
     fig.suptitle(title)
-    handles = plots._dedupe_legend(axes[-1], reverse=True)
+    fig.byte_unit = byte_unit
+    handles = dedupe_legend(axes[-1], reverse=True)
     axes[-1].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                     borderaxespad=0.0)
     return fig

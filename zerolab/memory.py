@@ -11,16 +11,24 @@ Two tools:
   allocator's own peak.
 
 A `categorize` callable returns {"params": tensors, "grads": tensors, "optimizer": tensors} for
-what the model holds *right now* (engines have `state_tensors()` for this). Everything else that
-is alive (activations, gathered buffers in flight, temporaries) is "other". Categories are read
+what the model holds *right now* (engines have `state_tensors()` for this), and may add
+"comm": the buffers a collective is using right now (ZeRO-2's flattened full gradient of the
+bucket being reduce-scattered, the shard-sized copy an async parameter all-gather sends, qwZ's
+int8 gather buffers). Engines keep those in an `InFlight`, which lists them without keeping them
+alive. Everything else that is alive (activations, temporaries) is "other". Categories are read
 after every op, so a tensor that an op allocates and Python code only then stores (a gradient
-assigned to .grad) counts as "other" until the next op; totals are exact at every op.
+assigned to .grad) counts as "other" until the next op; totals are exact at every op. A storage
+listed in two categories counts in the first: params, grads, optimizer, comm, activations.
 
 `track_memory(categorize, activations=True)` adds an "activations" category: the storages
 autograd holds *right now* to compute the backward (`SavedForBackward`: a
 torch.autograd.graph.saved_tensors_hooks pair), parameters left out. It is what ZeRO does not
 shard. Recomputed activations inside torch.utils.checkpoint's backward are held by checkpoint
-itself, not by autograd's saved slots, and stay "other".
+itself, not by autograd's saved slots, and stay "other". With both, "other" is what is left:
+temporaries.
+
+`model_state_bytes` counts params, grads and optimizer only: comm buffers and activations come
+and go within a step, and are no model state.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerolab.nest import tensors_in
 
-CATEGORIES = ("params", "grads", "optimizer")
+CATEGORIES = ("params", "grads", "optimizer")  # the model states
+COMM = "comm"  # optional category (state_tensors()["comm"]): buffers collectives are using
 ACTIVATIONS = "activations"  # optional category: storages autograd saved for backward
 StateTensors = dict[str, Iterable[torch.Tensor]]
 
@@ -84,6 +93,28 @@ def module_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor in an optimizer's per-parameter state (Adam: exp_avg, exp_avg_sq, step)."""
     return [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+
+
+class InFlight:
+    """The buffers an engine's collectives are using now, for its `state_tensors()["comm"]`.
+
+        self.in_flight.add(full)            # a buffer made for a collective
+        self.in_flight.tensors()            # the ones still alive
+
+    References are weak: listing a buffer must not keep it alive longer than the code does (on
+    gloo, the shard-sized copy an all-gather sends is copied from at once, and freed).
+    """
+
+    def __init__(self) -> None:
+        self._alive: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary())
+
+    def add(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self._alive[id(t)] = t
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._alive.values())
 
 
 @dataclass

@@ -32,8 +32,10 @@ from typing import Any
 
 import ipywidgets as ipw
 from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
 
 from zerolab import activation_plots, plots, theory
+from zerolab.plots_base import legend_outside
 
 OPTIMIZERS = {"adam": "Adam / AdamW", "sgd_momentum": "SGD + momentum", "sgd": "SGD"}
 PRECISION_LABELS = {"fp32": "fp32", "mixed": "mixed bf16/fp16"}
@@ -249,12 +251,14 @@ def table_html(calc: Calculation) -> str:
 
 
 def figure(calc: Calculation) -> Figure:
-    """Stacked bars per stage (per GPU, in GB), the selected stage solid, the others faded.
-    With a sequence length, the activations are stacked on top of every stage."""
+    """Stacked bars per stage (per GPU, in GB), every bar in the legend's colours; the selected
+    stage is outlined (a legend entry of its own) and its name is bold. With a sequence length,
+    the activations are stacked on top of every stage."""
     extra = {} if calc.activations is None else {"activations": calc.activations.nbytes}
     what = "model states" if calc.activations is None else "model states + activations"
+    rows = [{**calc.stages[s].as_dict(), **extra} for s in theory.STAGES]
     fig = plots.memory_bars(
-        [{**calc.stages[s].as_dict(), **extra} for s in theory.STAGES],
+        rows,
         title=f"{calc.model}, {PRECISION_LABELS[calc.precision]}, {calc.world_size} GPUs: "
               f"{what} per GPU",
         labels=list(theory.STAGES),
@@ -262,18 +266,25 @@ def figure(calc: Calculation) -> Figure:
         decimal=True,
     )
     ax = fig.axes[0]
+    unit = fig.byte_unit
     selected = theory.STAGES.index(calc.stage)
-    for i, patch in enumerate(ax.patches):  # bars are drawn category by category, stage order
-        if i % len(theory.STAGES) != selected:
-            patch.set_alpha(0.35)
+    # Fading the other stages would show colours the legend does not: outline the chosen one.
+    outline = Rectangle((selected - 0.36, 0), 0.72, sum(rows[selected].values()) / unit[1],
+                        fill=False, edgecolor="black", linewidth=2.2, zorder=3,
+                        label=f"selected: {calc.stage}")
+    ax.add_patch(outline)
     ax.get_xticklabels()[selected].set_fontweight("bold")
+    ax.set_ylabel(plots.byte_label("bytes per GPU", unit))
     act = calc.activations
-    tallest = max(calc.stages[s].total for s in theory.STAGES) + (act.nbytes if act else 0)
+    tallest = max(sum(row.values()) for row in rows)
     if act is not None and tallest > act.gpu_memory / 4:  # the GPU, where it is in range
-        ax.axhline(act.gpu_memory / theory.GB, color="black", linestyle="--", linewidth=1)
-        ax.text(0.99, act.gpu_memory / theory.GB, f"{_gb(act.gpu_memory)} GPU", ha="right",
+        ax.axhline(act.gpu_memory / unit[1], color="black", linestyle="--", linewidth=1)
+        ax.text(0.99, act.gpu_memory / unit[1], f"{_gb(act.gpu_memory)} GPU", ha="right",
                 va="bottom", transform=ax.get_yaxis_transform(), fontsize=8)
-        ax.set_ylim(top=max(ax.get_ylim()[1], act.gpu_memory / theory.GB * 1.1))
+        ax.set_ylim(top=max(ax.get_ylim()[1], act.gpu_memory / unit[1] * 1.1))
+    legend = ax.get_legend()
+    legend_outside(ax, handles=[*legend.legend_handles, outline],
+                   labels=[*(t.get_text() for t in legend.get_texts()), outline.get_label()])
     return fig
 
 
