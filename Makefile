@@ -5,12 +5,18 @@
 # The virtual environment sees the system's packages, so a torch that is already installed (CPU
 # or CUDA) is used as it is. Where none is, TORCH is installed: the CPU build by default;
 # on a machine with an NVIDIA driver, plain `torch` (the CUDA build). Override with TORCH=...
+#
+# `make lab LAB_ARGS="--no-browser --port 8890"` hands options on to JupyterLab.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
+LAB_ARGS ?=
+# JupyterLab refuses to start as root ("Running as root is not recommended. Use --allow-root to
+# bypass."), and root is who runs a Docker container or a cloud notebook box: allow it there.
+ALLOW_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
 .PHONY: lab test lint exercises clean
 
@@ -20,8 +26,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e ".[course,dev]"
 	touch $@
 
+# `-m jupyterlab`, not `-m jupyter lab`: the latter looks for a `jupyter-lab` program, missing
+# where JupyterLab comes from outside the environment (--system-site-packages). The file browser
+# starts at the repository, not notebooks/: the notebooks send you to exercises/.
 lab: $(VENV)/.installed
-	$(PY) -m jupyter lab notebooks/00_launch.ipynb
+	$(PY) -m jupyterlab $(ALLOW_ROOT) --ServerApp.root_dir=. $(LAB_ARGS) notebooks/00_launch.ipynb
 
 test: $(VENV)/.installed
 	$(PY) -m pytest tests notebooks --nbval $(PYTEST_ARGS)

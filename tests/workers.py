@@ -187,3 +187,24 @@ def destroys_its_group():
     rank = dist.get_rank()
     dist.destroy_process_group()
     return rank
+
+
+# --- added for the launch error messages (test_launch.py) ---------------------------------------
+
+
+def kill_self_with(rank, signal_name):
+    """Rank `rank` is killed by the named signal, as a crash or the OOM killer would do it."""
+    import signal
+
+    if dist.get_rank() == rank:
+        os.kill(os.getpid(), getattr(signal, signal_name))
+        time.sleep(60)  # the signal is delivered before this returns
+    return dist.get_rank()
+
+
+def uneven_broadcast():
+    """A collective whose sizes differ across ranks: rank 0 sends 3 floats, rank 1 expects 2.
+    gloo cannot raise this as a Python exception on the receiving rank: it aborts it."""
+    t = torch.ones(3 if dist.get_rank() == 0 else 2)
+    dist.broadcast(t, src=0)
+    return t

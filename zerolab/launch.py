@@ -4,9 +4,9 @@
 
 Each rank is a fresh `spawn`ed Python process with the default process group initialised
 (gloo on CPU, NCCL with one GPU per rank). What `fn` returns comes back to the caller, tensors
-included. If a rank raises, the caller gets one `WorkerError` naming the rank and carrying the
-worker's traceback; the other ranks are killed; nothing is left running. A rank stuck in a
-collective is killed at `timeout` and reported by `LaunchTimeout`.
+included. If a rank fails, the caller gets one `WorkerError` naming the rank, what happened,
+the likely cause and the rank's own output; the other ranks are killed; nothing is left
+running. A rank stuck in a collective is killed at `timeout` and reported by `LaunchTimeout`.
 
 Under `torchrun`, call `init_from_env()` instead: it reads the environment torchrun sets, so the
 same training function runs on one laptop or many nodes.
@@ -14,16 +14,21 @@ same training function runs on one laptop or many nodes.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import datetime
+import faulthandler
 import multiprocessing.connection
 import os
 import pickle
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +42,7 @@ class LaunchError(RuntimeError):
 
 
 class WorkerError(LaunchError):
-    """A rank raised; `rank` names it and the message carries the worker's traceback."""
+    """A rank failed; `rank` names it and the message says how, with the rank's own output."""
 
     def __init__(self, rank: int, message: str):
         super().__init__(message)
@@ -101,6 +106,79 @@ def check_importable(fn: Callable) -> None:
         raise ValueError(f"{qualname} cannot be sent to the worker processes: {e}") from e
 
 
+# --- the main script: every spawned rank starts by running it again -----------------------------
+
+GUARD_FIX = """\
+Every new rank starts by running the main script again (that is how it finds the functions
+defined there), so a call to zerolab.launch at the top level of the script would run again in
+every rank, and Python stops a process that starts processes while it is itself starting.
+Fix: put the call under the guard, so that it runs only in the process you started:
+
+    if __name__ == "__main__":
+        print(zerolab.launch(...))"""
+
+STDIN_FIX = """\
+Every new rank starts by running the main script again (that is how it finds the functions
+defined there), and a script read from standard input (`python -`, `python - <<EOF`) cannot be
+read a second time. Fix: save the script to a file, e.g. my_script.py, with the call to
+zerolab.launch under `if __name__ == "__main__":`, and run `python my_script.py`."""
+
+
+def check_main_script() -> None:
+    """Refuse, before any rank starts, the two scripts that spawned ranks cannot run again."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return  # a notebook or `python -c`: the ranks do not run it again
+    if not os.path.isfile(path):  # "<stdin>"
+        raise LaunchError(f"zerolab.launch cannot start ranks from a script read from standard "
+                          f"input ({path}).\n{STDIN_FIX}")
+    line = _unguarded_line(main, path)
+    if line is not None:
+        number, text = line
+        raise LaunchError(
+            f"zerolab.launch was called at the top level of {os.path.basename(path)} without "
+            f"an `if __name__ == \"__main__\":` guard (line {number}: `{text}`).\n"
+            f"{GUARD_FIX}")
+
+
+def _unguarded_line(main: Any, path: str) -> tuple[int, str] | None:
+    """(number, text) of the script's top-level line now running, if it runs unconditionally.
+
+    None when launch is not called while the script runs its top level (a function called
+    later, a thread) or when the line sits in an `if`, `try` or `match`: the guard, or a
+    condition that may keep it from running again in a rank. When in doubt: None.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals is vars(main):
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source, path)
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+        return None
+    number = frame.f_lineno
+    conditional = (ast.If, ast.Try, ast.Match, getattr(ast, "TryStar", ast.Try))
+    body: list[ast.stmt] = tree.body
+    while True:  # walk down the statements that contain the line
+        node = next((n for n in body if n.lineno <= number <= (n.end_lineno or n.lineno)), None)
+        if node is None or isinstance(node, conditional):
+            return None
+        inner = [n for field in ("body", "orelse", "finalbody")
+                 for n in getattr(node, field, []) if isinstance(n, ast.stmt)]
+        if not any(n.lineno <= number <= (n.end_lineno or n.lineno) for n in inner):
+            return number, source.splitlines()[number - 1].strip()
+        body = inner
+
+
+# --- launching ----------------------------------------------------------------------------------
+
+
 def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
            backend: str | None = None, timeout: float = 120.0, *,
            threads: int | None = None, verbose: bool = False) -> list[Any]:
@@ -114,24 +192,21 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     """
     backend = choose_backend(world_size, backend)
     check_importable(fn)
+    check_main_script()
     threads = threads or default_threads(world_size)
-    workdir = tempfile.mkdtemp(prefix="zerolab-launch-")
-    # Rendezvous through a file in a fresh directory: two launches can never collide.
-    init_method = "file://" + os.path.join(workdir, "rendezvous")
+    workdir = tempfile.mkdtemp(prefix="zerolab-launch-")  # the rendezvous, logs and results
+    # The function and its arguments travel in a file: each rank unpickles them after its
+    # output is redirected (importing fn's module must not print into the caller's output),
+    # and the process objects stay small, so that starting one returns at once.
+    with open(os.path.join(workdir, "payload"), "wb") as f:
+        pickle.dump((fn, tuple(args)), f)
     ctx = mp.get_context("spawn")
-    # Pickled here, unpickled by the worker after it has redirected its output: importing fn's
-    # module in the worker must not print into the caller's output either.
-    payload = pickle.dumps((fn, tuple(args)))
-    procs = [
-        ctx.Process(target=_worker, daemon=True,
-                    args=(payload, rank, world_size, backend, init_method, workdir, threads,
-                          timeout))
-        for rank in range(world_size)
-    ]
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(workdir, rank, world_size, backend, threads, timeout))
+             for rank in range(world_size)]
     try:
-        for p in procs:
-            p.start()
-        _wait_all(procs, workdir, timeout)
+        _start(procs, workdir)
+        _wait_all(procs, workdir, timeout, getattr(fn, "__qualname__", repr(fn)))
         results = [torch.load(_path(workdir, "result", r), weights_only=False)
                    for r in range(world_size)]
         if verbose:
@@ -153,13 +228,6 @@ def _path(workdir: str, kind: str, rank: int) -> str:
     return os.path.join(workdir, f"{kind}-{rank}")
 
 
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime_ns
-    except FileNotFoundError:
-        return float("inf")  # no error file (killed hard): after any rank that wrote one
-
-
 def _read(path: str) -> str:
     try:
         with open(path, errors="replace") as f:
@@ -168,17 +236,59 @@ def _read(path: str) -> str:
         return ""
 
 
-def _wait_all(procs: list, workdir: str, timeout: float) -> None:
+# Two launches from two threads must not start their ranks at the same time: each points this
+# process's stdout and stderr at its own rank's log while that rank starts.
+_START_LOCK = threading.Lock()
+
+
+def _start(procs: list, workdir: str) -> None:
+    """Start the ranks, each with its stdout and stderr going to its log file.
+
+    A spawned process inherits them from this one, so its log holds all it prints from its
+    first instruction: Python starting up, the main script run again, a failed import.
+    """
+    if sys.platform != "win32":
+        # The helper process multiprocessing starts on first use must keep our real output.
+        from multiprocessing import resource_tracker
+        resource_tracker.ensure_running()
+    with _START_LOCK:
+        for rank, p in enumerate(procs):
+            with _output_to(_path(workdir, "log", rank)):
+                p.start()
+
+
+@contextlib.contextmanager
+def _output_to(path: str) -> Iterator[None]:
+    """Point file descriptors 1 and 2 (stdout, stderr) of this process at `path` for a moment.
+
+    Only for the instant of starting a process: anything else this process writes to them
+    meanwhile (another thread's print) would land in the file too. In a notebook the caller's
+    prints do not go through these descriptors and are not affected.
+    """
+    for stream in (sys.stdout, sys.stderr):  # what the caller printed goes where it belongs
+        if stream is not None:
+            stream.flush()
+    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, log):
+            os.close(fd)
+
+
+def _wait_all(procs: list, workdir: str, timeout: float, fn_name: str) -> None:
     """Wait for every rank; on the first failure kill the rest and raise."""
     deadline = time.monotonic() + timeout
     running = {p.sentinel: rank for rank, p in enumerate(procs)}
     while running:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            stuck = sorted(running.values())
-            raise LaunchTimeout(
-                f"ranks {stuck} were still running after {timeout:g}s and were killed "
-                f"(a rank waiting in a collective that another rank never joined?)")
+            raise _timeout(sorted(running.values()), workdir, timeout, fn_name)
         failed = []
         for sentinel in multiprocessing.connection.wait(list(running), timeout=remaining):
             rank = running.pop(sentinel)
@@ -186,46 +296,147 @@ def _wait_all(procs: list, workdir: str, timeout: float) -> None:
             if procs[rank].exitcode != 0 or not os.path.exists(_path(workdir, "result", rank)):
                 failed.append(rank)
         if failed:
-            # Several ranks can be seen dead at once: the one that raised, and peers whose
+            # Several ranks can be seen dead at once: the one that failed, and peers whose
             # collective broke when it died (gloo notices within milliseconds). Report the
-            # rank whose error was written first: the cause, not a consequence.
-            first = min(failed, key=lambda r: _mtime(_path(workdir, "error", r)))
-            raise _failure(first, procs[first].exitcode, workdir)
+            # rank that failed first (the cause, not a consequence): when each last wrote its
+            # error file, or, without one (killed, aborted), its output.
+            first = min(failed, key=lambda r: _last_written(workdir, r))
+            raise _failure(first, procs[first].exitcode, workdir, fn_name)
 
 
-def _failure(rank: int, exitcode: int | None, workdir: str) -> WorkerError:
+def _timeout(stuck: list[int], workdir: str, timeout: float, fn_name: str) -> LaunchTimeout:
+    done = [r for r in stuck if os.path.exists(_path(workdir, "result", r))]
+    busy = [r for r in stuck if r not in done]
+    where = (f": ranks {done} had returned from {fn_name} and waited for ranks {busy}, still "
+             f"in it" if done else "")
+    return LaunchTimeout(
+        f"ranks {stuck} were still running after {timeout:g}s and were killed{where} (a rank "
+        f"waiting in a collective that another rank never joined, or whose tensor sizes differ "
+        f"from the other ranks'?)")
+
+
+def _last_written(workdir: str, rank: int) -> float:
+    for kind in ("error", "log"):
+        with contextlib.suppress(FileNotFoundError):
+            return os.stat(_path(workdir, kind, rank)).st_mtime_ns
+    return float("inf")
+
+
+# --- what went wrong, for the learner ------------------------------------------------------------
+
+# What usually sends each signal to a rank: (what happened, the likely cause and the fix).
+SIGNAL_CAUSES = {
+    "SIGABRT": ("a native library (gloo, NCCL, torch's C++ code) stopped it on an error that it "
+                "could not raise as a Python exception",
+                "The usual cause is a collective called with tensors that differ across ranks: "
+                "different sizes, shapes or dtypes (an uneven all-gather or reduce-scatter), or "
+                "ranks calling different collectives. Check what every rank passes, e.g. "
+                "print(dist.get_rank(), t.shape, t.dtype) just before the call."),
+    "SIGKILL": ("something outside the process killed it",
+                "Most often the out-of-memory killer: the ranks together needed more memory than "
+                "the machine has (`dmesg` shows 'Out of memory: Killed process'). Use a smaller "
+                "model or batch, or fewer ranks. A job scheduler or a timeout that kills with "
+                "`kill -9` looks the same."),
+    "SIGSEGV": ("it crashed in native code (a segmentation fault)",
+                "Usually a compiled extension built for another version of torch, a bug in native "
+                "code, or native code out of memory. Where Python was at the crash, if it was "
+                "running, is in the output below."),
+    "SIGBUS": ("it crashed reading shared memory",
+               "Usually /dev/shm is full: a Docker container has 64 MB of it unless started "
+               "with a larger --shm-size (e.g. --shm-size=1g)."),
+    "SIGTERM": ("it was asked to stop from outside",
+                "kill, a job scheduler or a notebook kernel shutting down sends SIGTERM."),
+    "SIGINT": ("it was interrupted", "Ctrl-C reaches every rank started from a terminal."),
+}
+
+STARTUP_FIX = """\
+A new rank first runs the main script again and imports the module of the function: code there
+that fails in a fresh process stops the rank (a module not found from there, a relative path,
+work that belongs under `if __name__ == "__main__":`). Its output below shows where."""
+
+
+def _failure(rank: int, exitcode: int | None, workdir: str, fn_name: str) -> WorkerError:
+    """The error for a rank that failed: what happened, the likely cause, and its output."""
     error = _read(_path(workdir, "error", rank))
     if error:
         last_line = error.strip().splitlines()[-1]  # e.g. "KeyError: 'boom'"
         return WorkerError(rank, f"rank {rank} raised {last_line}\n\n"
                                  f"Traceback from rank {rank}:\n{error}")
-    log_tail = "\n".join(_read(_path(workdir, "log", rank)).splitlines()[-20:])
-    return WorkerError(rank, f"rank {rank} exited with code {exitcode} without a Python "
-                             f"exception. Its last output:\n{log_tail}")
+    output = _read(_path(workdir, "log", rank))
+    if exitcode is not None and exitcode < 0:  # killed by a signal
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        what, cause = SIGNAL_CAUSES.get(name, ("it was killed", ""))
+        head = f"rank {rank} was killed by {name} (exit code {exitcode}): {what}.\n{cause}"
+    elif "finished its bootstrapping phase" in output:
+        head = (f"rank {rank} could not start: the main script calls zerolab.launch without "
+                f"an `if __name__ == \"__main__\":` guard.\n{GUARD_FIX}")
+    elif "<stdin>" in output and "spawn_main" in output:
+        head = (f"rank {rank} could not start: the main script was read from standard "
+                f"input.\n{STDIN_FIX}")
+    elif "Traceback" in output and ("spawn_main" in output or "_bootstrap" in output):
+        # a traceback from multiprocessing's start-up code: before the worker could catch it
+        last_line = output.strip().splitlines()[-1]
+        head = (f"rank {rank} failed while starting, before it ran {fn_name}: {last_line}\n"
+                f"{STARTUP_FIX}")
+    else:
+        head = (f"rank {rank} exited with code {exitcode} without a Python exception: the "
+                f"function, or a library it called, ended the process (os._exit, sys.exit in "
+                f"a thread, exit() in native code).")
+    return WorkerError(rank, head + _output_section(rank, output))
 
 
-def _worker(payload, rank, world_size, backend, init_method, workdir, threads, timeout) -> None:
-    # Keep the caller's output deterministic: this rank's prints and warnings go to a file.
-    log = os.open(_path(workdir, "log", rank), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    sys.stdout = os.fdopen(1, "w", buffering=1)
-    sys.stderr = os.fdopen(2, "w", buffering=1)
+def _output_section(rank: int, output: str, head: int = 10, tail: int = 30) -> str:
+    """The rank's output for the error message: its first lines (often where trouble starts)
+    and its last lines (where it ended)."""
+    lines = output.rstrip().splitlines()
+    if not lines:
+        return f"\n\nRank {rank} printed nothing."
+    if len(lines) > head + tail:
+        lines = [*lines[:head], f"... ({len(lines) - head - tail} lines left out) ...",
+                 *lines[-tail:]]
+    return f"\n\nOutput of rank {rank}:\n" + "\n".join("    " + line for line in lines)
+
+
+# --- in each rank -------------------------------------------------------------------------------
+
+
+def _worker(workdir: str, rank: int, world_size: int, backend: str, threads: int,
+            timeout: float) -> None:
+    """One rank: run fn in the process group and leave its result, or its error, in workdir."""
+    # stdout and stderr already go to this rank's log (see _start): a line at a time from
+    # now on, so that a crash loses none; a crash in native code still shows the Python stack.
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)
+    faulthandler.enable(all_threads=True)
     try:
-        fn, args = pickle.loads(payload)
+        with open(os.path.join(workdir, "payload"), "rb") as f:
+            fn, args = pickle.load(f)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size))
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=world_size,
+        # Rendezvous through a file in a fresh directory: two launches can never collide.
+        store = dist.FileStore(os.path.join(workdir, "rendezvous"), world_size)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout))
+        # Setting up the group can end on one rank before it has on another: a fast rank
+        # whose function needs no collective could finish and close its connections while a
+        # slow rank (a busy machine) is still connecting, which then fails with gloo's
+        # "connectFullMesh failed ... Connection closed by peer". So no rank starts until
+        # every rank's group is up.
+        _all_reach(store, "started", rank, world_size, timeout)
         result = fn(*args)
         # torch.save keeps tensors intact after this process exits (no shared-memory handles).
         tmp = _path(workdir, "result.tmp", rank)
         torch.save(result, tmp)
         os.replace(tmp, _path(workdir, "result", rank))
+        # Likewise at the end: no rank closes its connections while a peer may still be
+        # finishing its last collective with it.
+        _all_reach(store, "finished", rank, world_size, timeout)
         if dist.is_initialized():  # fn may have destroyed it itself, torchrun-style
             dist.destroy_process_group()
     except BaseException:
@@ -234,6 +445,15 @@ def _worker(payload, rank, world_size, backend, init_method, workdir, threads, t
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)  # skip atexit/destructors that could block on a broken process group
+
+
+def _all_reach(store: dist.Store, point: str, rank: int, world_size: int,
+               timeout: float) -> None:
+    """Wait until every rank has reached `point`. Through the store, not a collective: it works
+    whatever collectives the function left unfinished, and after it destroyed its group."""
+    store.set(f"zerolab/{point}/{rank}", "1")
+    store.wait([f"zerolab/{point}/{r}" for r in range(world_size)],
+               datetime.timedelta(seconds=timeout))
 
 
 def init_from_env(backend: str | None = None, threads: int | None = None) -> DistContext:

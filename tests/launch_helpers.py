@@ -1,0 +1,71 @@
+"""Helpers for test_launch.py: scripts run as a learner runs them, and a rank made slow.
+
+The slow rank stands in for a busy machine, where one rank can be descheduled for a long
+moment while its peers run on: `slow_rank_worker` replaces zerolab.launch's own `_worker` (the
+test patches it in) and makes rank 1 take SLOW seconds longer to set up its process group and
+to run the function. Each rank writes when it passed each point to files in $ZEROLAB_TEST_TIMES.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+SLOW = 2.0  # seconds: far above the scheduling noise of a loaded machine, short for a test
+
+
+def note(point: str) -> None:
+    """Record, in $ZEROLAB_TEST_TIMES, when this rank passed `point`."""
+    path = Path(os.environ["ZEROLAB_TEST_TIMES"]) / f"{point}-{os.environ['RANK']}"
+    path.write_text(repr(time.time()))
+
+
+def times(folder: Path, point: str, world_size: int) -> list[float]:
+    return [float((folder / f"{point}-{r}").read_text()) for r in range(world_size)]
+
+
+def slow_rank_worker(*args) -> None:
+    """zerolab.launch's worker, with rank 1 slow to finish setting up its group."""
+    launch_mod = importlib.import_module("zerolab.launch")  # zerolab.launch is the function
+    rank = args[1]
+    init, destroy = dist.init_process_group, dist.destroy_process_group
+
+    def init_slowly(*a, **k):
+        init(*a, **k)
+        if rank == 1:
+            time.sleep(SLOW)
+        note("group_up")
+
+    def destroy_noted():
+        note("teardown")
+        destroy()
+
+    dist.init_process_group, dist.destroy_process_group = init_slowly, destroy_noted
+    launch_mod._worker(*args)
+
+
+def noted_function() -> int:
+    """The function the ranks run: rank 1 is slow here too."""
+    note("fn_start")
+    if dist.get_rank() == 1:
+        time.sleep(SLOW)
+    note("fn_end")
+    return dist.get_rank()
+
+
+def run_script(folder: Path, source: str, env: dict, *, stdin: bool = False,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `source` as a learner would: `python script.py`, or piped into `python -`."""
+    source = textwrap.dedent(source)
+    script = folder / "script.py"
+    script.write_text(source)
+    command = [sys.executable, "-"] if stdin else [sys.executable, str(script)]
+    return subprocess.run(command, input=source if stdin else None, capture_output=True,
+                          text=True, env=env, cwd=folder, timeout=timeout)
