@@ -484,3 +484,9 @@ def longest_sequence(shape: ModelShape, memory_bytes: float, state_bytes: float,
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+def int8_bytes(numel: int, block: int = 256) -> int:
+    """ZeRO++'s qwZ (notebook 09): `numel` values as int8, one byte each, plus an fp32 scale
+    per block of `block`: a quarter of fp32, and 4/block of that again for the scales."""
+    return numel + 4 * -(-numel // block)

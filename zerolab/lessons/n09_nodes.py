@@ -1,0 +1,437 @@
+"""Notebook 09, past one node: HSDP, ZeRO++ and models born sharded, on 4 ranks as 2 "nodes".
+
+On one machine a "node" is a group of consecutive ranks (zerolab.mesh): with 4 ranks and nodes
+of 2, ranks {0, 1} are node 0 and {2, 3} node 1. zerolab.peers measures the bytes each rank
+sends to each other rank (per TCP connection), so the bytes that would cross the slow link
+between nodes are measured, not inferred.
+
+`nodes_lesson` runs on every rank of a 4-rank launch and returns a `NodesLesson`:
+- one training step of ZeRO-3, HSDP, qwZ, hpZ and qwZ+hpZ: bytes to each peer, the comm log,
+  model-state bytes, hpZ's secondary shards (`Traffic`);
+- one world-wide all-gather and one all-reduce: which links they use (`world_collectives`);
+- HSDP against DDP on the same global batches, with SGD (a distance);
+- the model built on the meta device against built in full (`Construction`);
+- loss curves on the course's corpus, ZeRO-3 with and without int8 weights;
+- a checkpoint saved at 4 ranks (ZeRO-3), and the uninterrupted run to compare resumes with.
+
+`resumed_lesson` (on 2 or 3 ranks) measures the construction at that N, and resumes the
+checkpoint with another stage (`Resumed`); `crash_mid_save` kills a rank half-way through a save
+and says what is left (`Crash`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from zerolab import comm, harness, theory
+from zerolab.comm import CommLog
+from zerolab.data import Corpus
+from zerolab.memory import track_memory
+from zerolab.models import GPT, GPTConfig, num_params
+from zerolab.peers import record_peer_bytes
+from zerolab.quantize import BLOCK, dequantize_int8, quantize_int8
+
+# 4 blocks of hidden size 64: Ψ = 205,184 (820 kB in fp32). Each unit's size divides by 4, so
+# no unit is padded at 2 or 4 ranks.
+MODEL = GPTConfig(n_layer=4, n_embd=64, n_head=4)
+NODE = 2  # ranks per "node"
+GLOBAL_BATCH = 12  # sequences per step: divides by 2, 3 and 4 ranks
+SGD = {"lr": 1e-2, "momentum": 0.9}  # for distances: see sgd_run
+VARIANTS: dict[str, tuple[str, dict]] = {  # name -> (engine, keyword arguments)
+    "ZeRO-3": ("zero3", {}),
+    "HSDP": ("hsdp", {"shard_size": NODE}),
+    "qwZ": ("zero3", {"quantize_weights": True}),
+    "hpZ": ("zero3", {"secondary_shard_size": NODE}),
+    "qwZ+hpZ": ("zero3", {"quantize_weights": True, "secondary_shard_size": NODE}),
+}
+CURVE_STEPS = 200  # training steps of each loss curve
+CURVE_BATCH, CURVE_SEQ = 16, 32  # global batch (sequences) and tokens per sequence
+CURVE_LR = 3e-3
+
+
+def rank_and_size() -> tuple[int, int]:
+    """This process's rank and the world size (0 of 1 outside a launch)."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def batch(model: GPT, step: int) -> tuple[torch.Tensor, ...]:
+    """This rank's rows of step `step`'s global batch of GLOBAL_BATCH sequences."""
+    rank, world_size = rank_and_size()
+    return harness.local_batch(model.make_batch, GLOBAL_BATCH, 100 + step, rank, world_size)
+
+
+# ---- traffic: what crosses between the nodes -----------------------------------------------
+
+
+@dataclass
+class Traffic:
+    """One measured training step of one variant, on one rank."""
+
+    to: dict[int, int]  # bytes sent to each other rank in one step (zerolab.peers; `fewest`)
+    across: int  # of which to ranks of the other node
+    log: CommLog  # every collective: tag, group_ranks, ring and wire bytes
+    held: dict[str, int]  # model-state bytes after step(): params, grads, optimizer
+    max_params: int  # the most parameter bytes alive at any moment of the step
+    secondary_bytes: int  # hpZ: secondary shards held when the forward ends (else 0)
+
+
+REPEATS = 5  # identical steps (and collectives) measured per peer: see `fewest`
+
+
+def fewest(measurements: list[dict[int, int]]) -> dict[int, int]:
+    """Per peer, the fewest bytes over identical measurements. The kernel's per-connection
+    counter also counts a segment TCP sends again (on a loaded machine, a loopback connection
+    now and then retransmits one): a repeat only adds bytes, so the fewest is what was sent."""
+    peers = sorted({peer for m in measurements for peer in m})
+    return {peer: min(m.get(peer, 0) for m in measurements) for peer in peers}
+
+
+def measure_traffic(variant: str) -> Traffic:
+    """A warm-up step (Adam's state is created), then REPEATS identical steps measured per
+    peer, the first under the memory tracker too."""
+    name, kwargs = VARIANTS[variant]
+    model = GPT(MODEL)
+    engine = harness.make_engine(name, model, torch.optim.AdamW, lr=1e-3, **kwargs)
+    harness.train_step(engine, *batch(model, 0))
+    secondary: list[int] = []
+    # Registered after the engine's own hooks: runs once the root's forward has resharded
+    # every unit, when hpZ holds all its secondary shards.
+    hook = model.register_forward_hook(lambda m, args, out: secondary.append(
+        sum(t.numel() * t.element_size() for t in engine.weight_gather.held())))
+    sent, steps = [], []
+    for i in range(REPEATS):  # the same batch each time: the same collectives, the same bytes
+        with record_peer_bytes() as peers:
+            steps.append(harness.measured_step(engine, *batch(model, 1), memory=i == 0))
+        sent.append(peers.to)
+    hook.remove()
+    to = fewest(sent)
+    across = sum(b for peer, b in to.items() if peer // NODE != dist.get_rank() // NODE)
+    return Traffic(to, across, steps[0].log, steps[0].held,
+                   steps[0].memory.max_by_category["params"], secondary[0])
+
+
+def unit_numels(config: GPTConfig = MODEL, world_size: int = 4) -> dict[str, int]:
+    """Each ZeRO-3 unit's element count, padded for `world_size` ranks: what a gather moves."""
+    from zerolab.sharding import FlatLayout
+    from zerolab.units import make_units
+
+    return {u.name: FlatLayout.of(u.params, world_size).padded_numel
+            for u in make_units(GPT(config))}
+
+
+def world_collectives(numel: int = 1 << 16) -> dict[str, dict[int, int]]:
+    """One all-gather and one all-reduce of `numel` fp32 over every rank: the bytes this rank
+    sent to each peer (the fewest over REPEATS runs of each)."""
+    rank, world_size = rank_and_size()
+    shard = torch.full((numel // world_size,), float(rank))
+    runs: dict[str, list[dict[int, int]]] = {"all_gather": [], "all_reduce": []}
+    for _ in range(REPEATS):
+        with record_peer_bytes() as sent:
+            comm.all_gather(torch.empty(numel), shard, tag="world/all_gather")
+        runs["all_gather"].append(sent.to)
+        with record_peer_bytes() as sent:
+            comm.all_reduce(torch.ones(numel), tag="world/all_reduce")
+        runs["all_reduce"].append(sent.to)
+    return {op: fewest(measured) for op, measured in runs.items()}
+
+
+def share_across(per_rank: list[dict[int, int]], node_size: int = NODE) -> float:
+    """Of all the bytes the ranks sent, the share that went to a rank of another node."""
+    total = sum(b for to in per_rank for b in to.values())
+    across = sum(b for r, to in enumerate(per_rank) for peer, b in to.items()
+                 if peer // node_size != r // node_size)
+    return across / total
+
+
+# On 2 nodes of 2 with gloo, the share of a world-wide collective's bytes that crosses between
+# the nodes (derived in notebook 09 from gloo's algorithms, and measured by world_collectives):
+GATHER_SHARE = 5 / 6  # an all-gather is 4 broadcasts, each a binomial tree that ignores nodes
+ALL_REDUCE_SHARE = 1 / 2  # a ring in rank order crosses at 2 of its 4 links
+PHASES = ("forward all-gather", "backward all-gather", "gradients")
+
+# The ZeRO++ paper's cross-node volume per step, in model sizes (M = Ψ 16-bit values), by phase.
+PAPER = {"ZeRO-3": (1.0, 1.0, 1.0), "qwZ": (0.5, 1.0, 1.0), "hpZ": (1.0, 0.0, 1.0),
+         "qwZ+hpZ": (0.5, 0.0, 1.0), "ZeRO++ (qwZ+hpZ+qgZ)": (0.5, 0.0, 0.25)}
+
+
+def formula(variant: str, numels: dict[str, int], world_size: int = 4,
+            node_size: int = NODE) -> dict[str, float]:
+    """Bytes one rank sends to other nodes in one step, on average over the ranks, by phase:
+    what the engines issue, as gloo runs it on 2 nodes of 2. numels: unit_numels()."""
+    n, fp32 = world_size, 4 * sum(numels.values())
+    if variant == "HSDP":  # only the replicas' all-reduce of the gradient shards crosses
+        replicas = theory.ring_sent_bytes("all_reduce", fp32 / node_size, n // node_size)
+        return dict(zip(PHASES, (0.0, 0.0, replicas)))
+    options = VARIANTS[variant][1]
+    gathered = fp32
+    if options.get("quantize_weights"):  # each rank quantises its own shard of each unit
+        gathered = sum(n * theory.int8_bytes(p // n) for p in numels.values())
+    forward = GATHER_SHARE * theory.ring_sent_bytes("all_gather", gathered, n)
+    backward = 0.0 if options.get("secondary_shard_size") else (
+        GATHER_SHARE * theory.ring_sent_bytes("all_gather", fp32, n))
+    # gloo has no reduce-scatter: it all-reduces, twice the ring reduce-scatter's bytes
+    gradients = ALL_REDUCE_SHARE * theory.ring_sent_bytes("all_reduce", fp32, n)
+    return dict(zip(PHASES, (forward, backward, gradients)))
+
+
+def across_mean(runs: list[NodesLesson], variant: str) -> float:
+    """Bytes a rank sent to the other node in the measured step, averaged over the ranks."""
+    return sum(r.traffic[variant].across for r in runs) / len(runs)
+
+
+def traffic_table(runs: list[NodesLesson]) -> list[str]:
+    """Per variant, in model sizes M (the paper's: Ψ 16-bit values; here: 4Ψ, fp32): the
+    paper's cross-node volume, the formula by phase for gloo on 2 nodes of 2, the measurement."""
+    numels = unit_numels(MODEL, len(runs))
+    m = 4 * sum(numels.values())
+    rows = [f"{'':21}{'paper':>6} | {'formula, x M':^27} | {'measured':^18}",
+            f"{'':21}{'x M':>6} |{'fwd':>7}{'bwd':>7}{'grads':>7}{'total':>7} |"
+            f"{'x M':>7}{'- formula':>11}"]
+    for v in [*VARIANTS, *(p for p in PAPER if p not in VARIANTS)]:
+        paper = f"{sum(PAPER[v]):6.2f}" if v in PAPER else f"{'-':>6}"
+        if v not in VARIANTS:
+            rows.append(f"{v:21}{paper} | {'(qgZ not built)':^27} |")
+            continue
+        by_phase, measured = formula(v, numels, len(runs)), across_mean(runs, v)
+        total = sum(by_phase.values())
+        rows.append(f"{v:21}{paper} |" + "".join(f"{x / m:7.3f}" for x in by_phase.values())
+                    + f"{total / m:7.3f} |{measured / m:7.3f}"
+                    f"{(measured - total) / 2**10:+7.0f} KiB")
+    return rows
+
+
+def block_errors(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (n,) through int8 and back: the largest error in each block, and its bound,
+    max|x in the block| / 254 (half a step of the scale max|x| / 127). Both (blocks,)."""
+    restored = dequantize_int8(*quantize_int8(x, block), block)
+    padded = torch.zeros(-(-x.numel() // block) * block)  # (blocks * block,): zeros are exact
+    padded[:x.numel()] = x
+    worst = torch.zeros_like(padded)
+    worst[:x.numel()] = (restored - x).abs()
+    return worst.view(-1, block).amax(1), padded.view(-1, block).abs().amax(1) / 254
+
+
+# ---- training: distances and loss curves ---------------------------------------------------
+
+
+# SGD with momentum, not Adam, where distances are compared: Adam divides by the root of its
+# second moment, so an element whose gradient is about zero moves by ±lr depending on how its
+# gradient was rounded, which would hide a real difference behind a reduction order.
+def sgd_run(variant: str, steps: range, load_from: str | None = None,
+            save_to: str | None = None, **kwargs) -> dict[str, torch.Tensor]:
+    """Train MODEL with `variant` ("DDP", or one of VARIANTS) over `steps`; optionally load a
+    checkpoint first and save one after. Returns the full weights."""
+    from zerolab import checkpoint
+
+    name, variant_kwargs = VARIANTS.get(variant, (variant.lower(), {}))
+    model = GPT(MODEL)
+    engine = harness.make_engine(name, model, torch.optim.SGD, **SGD,
+                                 **{**variant_kwargs, **kwargs})
+    if load_from:
+        checkpoint.load(engine, load_from)
+    for step in steps:
+        harness.train_step(engine, *batch(model, step))
+    if save_to:
+        checkpoint.save(engine, save_to)
+    return engine.full_state_dict()
+
+
+def curve_config() -> GPTConfig:
+    """A smaller GPT over the corpus's characters, for a few hundred steps on a CPU."""
+    vocab = Corpus.builtin().tokenizer.vocab_size
+    return GPTConfig(vocab_size=vocab, block_size=CURVE_SEQ, n_layer=2, n_embd=32, n_head=2)
+
+
+def loss_curve(quantize_weights: bool, steps: int = CURVE_STEPS) -> list[float]:
+    """ZeRO-3 (qwZ or not) on the built-in corpus: this rank's loss at every step."""
+    rank, world_size = rank_and_size()
+    corpus = Corpus.builtin()
+    model = GPT(curve_config())
+    engine = harness.make_engine("zero3", model, torch.optim.AdamW, lr=CURVE_LR,
+                                 quantize_weights=quantize_weights)
+    losses = []
+    for step in range(steps):
+        x, y = harness.local_rows(corpus.batch(CURVE_BATCH, CURVE_SEQ, seed=step), rank,
+                                  world_size)
+        losses.append(harness.train_step(engine, x, y).item())
+    return losses
+
+
+def mean_curve(curves: list[list[float]]) -> list[float]:
+    """The loss on the whole global batch at each step: the mean of the ranks' losses (each
+    rank's loss is a mean over its own rows, and every rank has as many rows)."""
+    return [sum(step) / len(step) for step in zip(*curves)]
+
+
+# ---- models born sharded -------------------------------------------------------------------
+
+
+@dataclass
+class Construction:
+    """Building the model and its ZeRO-3 engine on one rank: in full, or on the meta device."""
+
+    world_size: int
+    peak_full: int  # the most bytes alive while the model was built whole, then wrapped
+    peak_meta: int  # the same, built on the meta device, materialised one unit at a time
+    kept: dict[str, int]  # model-state bytes held afterwards (parameter and gradient shards)
+    full_model_bytes: int  # 4Ψ
+    largest_unit_bytes: int  # the biggest unit, gathered (ZeRO-3 builds one at a time)
+    same: bool  # the two engines hold bitwise the same model
+
+
+def construction(config: GPTConfig = MODEL) -> Construction:
+    """Build `config` twice with ZeRO-3: whole then wrapped, and on the meta device."""
+    peaks, states = {}, {}
+    for meta in (False, True):
+        with track_memory() as trace:
+            if meta:
+                with torch.device("meta"):  # shapes only: no storage, no values yet
+                    model = GPT(config)
+            else:
+                model = GPT(config)
+            engine = harness.make_engine("zero3", model, torch.optim.AdamW, lr=1e-3)
+        peaks[meta], states[meta] = trace.peak_bytes, engine.full_state_dict()
+    units = [sum(4 * b.layout.padded_numel for b in u.buckets) for u in engine.units]
+    return Construction(rank_and_size()[1], peaks[False], peaks[True],
+                        engine.model_state_bytes(), 4 * num_params(GPT(config)), max(units),
+                        harness.max_diff(states[False], states[True]) == 0.0)
+
+
+# ---- one launch on 4 ranks -----------------------------------------------------------------
+
+
+@dataclass
+class NodesLesson:
+    """Everything the 4-rank launch measures, on one rank."""
+
+    traffic: dict[str, Traffic]  # per variant
+    world: dict[str, dict[int, int]]  # world all-gather / all-reduce: bytes to each peer
+    hsdp_vs_ddp: float  # max |HSDP - DDP| over the weights after the same SGD steps
+    zero3_vs_ddp: float  # the same for ZeRO-3: the yardstick (only the reduction order)
+    construction: Construction
+    curves: dict[str, list[float]]  # "fp32", "int8": this rank's loss at every step
+    straight: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: 5 SGD steps
+
+
+def nodes_lesson(folder: str, curve_steps: int = CURVE_STEPS) -> NodesLesson:
+    """Everything of notebook 09 that runs on 4 ranks (see the module docstring). A ZeRO-3
+    checkpoint is saved in `folder` after 2 SGD steps."""
+    traffic = {v: measure_traffic(v) for v in VARIANTS}
+    world = world_collectives()
+    ddp = sgd_run("DDP", range(3))
+    distances = [harness.max_diff(sgd_run(v, range(3)), ddp) for v in ("HSDP", "ZeRO-3")]
+    built = construction()
+    curves = {"fp32": loss_curve(False, curve_steps), "int8": loss_curve(True, curve_steps)}
+    sgd_run("ZeRO-3", range(2), save_to=folder)
+    straight = sgd_run("ZeRO-3", range(5))
+    return NodesLesson(traffic, world, *distances, built, curves,
+                       straight if rank_and_size()[0] == 0 else {})
+
+
+# ---- on 2 and 3 ranks: construction, and resuming the checkpoint ---------------------------
+
+
+@dataclass
+class Resumed:
+    """On 2 or 3 ranks: the construction at this N, and the checkpoint resumed."""
+
+    construction: Construction
+    variant: str  # the stage that resumed the 4-rank ZeRO-3 checkpoint
+    state: dict[str, torch.Tensor]  # its weights after steps 2, 3 and 4
+    refused: str = ""  # HSDP with nodes of 2 on this world size: the error's message
+
+
+def resumed_lesson(folder: str, variant: str, shard_size: int | None = None) -> Resumed:
+    """Construction at this world size; then `variant` (HSDP: nodes of `shard_size`) loads the
+    checkpoint saved after step 2 and trains steps 2 to 4, as the uninterrupted run did."""
+    refused = ""
+    if rank_and_size()[1] % NODE:
+        try:
+            harness.make_engine("hsdp", GPT(MODEL), torch.optim.SGD, shard_size=NODE, **SGD)
+        except ValueError as e:
+            refused = str(e)
+    return Resumed(construction(), variant,
+                   sgd_run(variant, range(2, 5), load_from=folder,
+                           **({"shard_size": shard_size} if shard_size else {})), refused)
+
+
+# ---- checkpoints: what a file holds, and a crash mid-save ----------------------------------
+
+
+@dataclass
+class PieceSummary:
+    """One piece of one rank's checkpoint file."""
+
+    names: list[str]  # the parameters it covers, in flat order
+    start: int  # its first element in the run of those parameters laid end to end
+    length: int  # elements held
+    keys: list[str]  # "param" and the per-element optimizer state (SGD: "momentum_buffer")
+
+
+def pieces_in(folder: str, rank: int) -> list[PieceSummary]:
+    """What rank `rank` wrote in the last complete save in `folder`."""
+    from zerolab import checkpoint
+
+    payload = torch.load(os.path.join(checkpoint.latest(folder), f"rank{rank}.pt"),
+                         weights_only=False)
+    return [PieceSummary(p["names"], p["start"], p["tensors"]["param"].numel(),
+                         list(p["tensors"])) for p in payload["pieces"]]
+
+
+def save_killed_half_way(folder: str) -> None:
+    """Load the checkpoint into ZeRO-2, train one step, save: and die half-way through the
+    save, after this rank's file is written, before the manifest and LATEST are."""
+    import zerolab.checkpoint as checkpoint
+
+    passed = []
+    real_barrier = checkpoint.comm.barrier
+
+    def dies_at_second_barrier(**kwargs) -> None:
+        if passed:  # save's second barrier: every rank's file is complete
+            os._exit(1)  # a crash: no exception, no clean-up, the process is gone
+        passed.append(True)
+        real_barrier(**kwargs)
+
+    model = GPT(MODEL)
+    engine = harness.make_engine("zero2", model, torch.optim.SGD, **SGD)
+    checkpoint.load(engine, folder)
+    harness.train_step(engine, *batch(model, 2))
+    checkpoint.comm.barrier = dies_at_second_barrier
+    checkpoint.save(engine, folder)
+
+
+@dataclass
+class Crash:
+    """What a save killed half-way leaves in the folder."""
+
+    error: str  # what zerolab.launch reported
+    before: list[str]  # the folder's entries before the crashed save
+    after: list[str]  # and after it
+    latest: str  # the version LATEST names afterwards
+    crashed_files: list[str]  # what the unfinished version holds
+    same_as_before: bool  # the checkpoint that loads now is bitwise the one saved before
+
+
+def crash_mid_save(folder: str) -> Crash:
+    """In this process: launch a rank that dies half-way through a save in `folder`."""
+    import zerolab
+    from zerolab import checkpoint
+
+    before, good = sorted(os.listdir(folder)), checkpoint.consolidate(folder)
+    try:
+        zerolab.launch(save_killed_half_way, 1, args=(folder,), timeout=300)
+        error = "no error"
+    except zerolab.WorkerError as e:
+        error = str(e).splitlines()[0]
+    after = sorted(os.listdir(folder))
+    crashed = [v for v in after if v.startswith("save-") and v not in before]
+    now = checkpoint.consolidate(folder)
+    return Crash(error, before, after, os.path.basename(checkpoint.latest(folder)),
+                 sorted(os.listdir(os.path.join(folder, crashed[0]))) if crashed else [],
+                 harness.max_diff(now["model"], good["model"]) == 0.0)
