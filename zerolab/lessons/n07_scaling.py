@@ -3,7 +3,9 @@
 `states_and_traffic` trains the same GPT for two steps with each stage (DDP, ZeRO-1, ZeRO-2,
 ZeRO-3) on the N ranks of a process group. It returns, per stage, the model-state bytes this
 rank holds after the second step (measured from the live tensors) and the bytes it sent
-during that step (recorded by zerolab.comm): a `harness.measured_step`. `scaling_runs` does
+during that step (recorded by zerolab.comm): a `harness.measured_step`. Bytes sent come twice:
+the ring model's figure and the wire bytes the kernel counted, per op, with what ran (on gloo
+an all-gather runs as N broadcasts, a reduce-scatter as an all-reduce). `scaling_runs` does
 that for N = 1, 2 and 4 in one launch of 4 ranks; the notebook puts the measurements beside
 `zerolab.theory`'s formulas.
 
@@ -18,7 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,6 +43,18 @@ class StageMeasure:
 
     held: dict[str, int]  # model-state bytes after step(), before zero_grad(), by category
     sent: int  # ring-model bytes this rank sent in the step
+    # The same step's collectives, by op ("all_reduce", ...): ring-model bytes, measured wire
+    # bytes (None where unmeasurable), and what ran (CommEvent.impl, e.g. "all_gather as 2
+    # broadcasts (gloo)").
+    ring_by_op: dict[str, int] = field(default_factory=dict)
+    wire_by_op: dict[str, int | None] = field(default_factory=dict)
+    impl_by_op: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def wire(self) -> int | None:
+        """Measured bytes this rank wrote in the step (None if any op was unmeasured)."""
+        values = list(self.wire_by_op.values())
+        return None if None in values else sum(values)
 
 
 @dataclass
@@ -62,26 +76,32 @@ class TorchrunResult:
     output: str  # stdout + stderr
 
 
-def states_and_traffic(group: dist.ProcessGroup | None = None) -> ScalingRun:
+def states_and_traffic(group: dist.ProcessGroup | None = None,
+                       global_batch: int = GLOBAL_BATCH) -> ScalingRun:
     """Each stage, on this rank of `group` (None: the whole job): two steps, the second measured.
 
     The first step creates Adam's state. Every rank takes its rows of the same global batch of
-    GLOBAL_BATCH sequences, so every N computes the same steps.
+    `global_batch` sequences (a multiple of N), so every N computes the same steps.
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     stages = {}
     for name in harness.ZEROLAB_ENGINES:
         model = GPT(MODEL)
         engine = harness.make_engine(name, model, torch.optim.AdamW, group=group, lr=LR)
-        x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 100, rank, world_size)
+        x, y = harness.local_batch(model.make_batch, global_batch, 100, rank, world_size)
         harness.train_step(engine, x, y)
-        x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 101, rank, world_size)
+        x, y = harness.local_batch(model.make_batch, global_batch, 101, rank, world_size)
         measured = harness.measured_step(engine, x, y, memory=False)
-        stages[harness.label(name)] = StageMeasure(measured.held, measured.log.total_bytes())
+        log = measured.log
+        impl = {e.op: e.impl for e in log.events}  # one impl per op in a step: the last says it
+        stages[harness.label(name)] = StageMeasure(measured.held, log.total_ring_bytes(),
+                                                   log.bytes_by_op(), log.wire_bytes_by_op(),
+                                                   impl)
     return ScalingRun(num_params(GPT(MODEL)), world_size, stages)
 
 
-def scaling_runs(sizes: tuple[int, ...] = (1, 2, 4)) -> dict[int, ScalingRun | None]:
+def scaling_runs(sizes: tuple[int, ...] = (1, 2, 4),
+                 global_batch: int = GLOBAL_BATCH) -> dict[int, ScalingRun | None]:
     """`states_and_traffic` at several world sizes, in one launch of max(sizes) ranks.
 
     For each N, ranks 0..N-1 form a process group of their own (`dist.new_group`) and train
@@ -93,7 +113,7 @@ def scaling_runs(sizes: tuple[int, ...] = (1, 2, 4)) -> dict[int, ScalingRun | N
     out: dict[int, ScalingRun | None] = {}
     for n in sizes:
         group = dist.new_group(list(range(n)))  # every rank of the job must call new_group
-        out[n] = states_and_traffic(group) if rank < n else None
+        out[n] = states_and_traffic(group, global_batch) if rank < n else None
         dist.barrier()  # the whole job moves on to the next N together
     return out
 
