@@ -34,6 +34,7 @@ from torch import nn
 
 from zerolab import comm
 from zerolab.ddp import DDP
+from zerolab.memory import InFlight
 from zerolab.sharding import Bucket, Slot, flatten, shard, unflatten
 
 
@@ -53,6 +54,7 @@ class ZeRO1(DDP):
         super().__init__(model, optimizer_cls, **kwargs)
         self.prefetch = prefetch  # gather parameters asynchronously, wait at their first use
         self._param_gathers: dict[str, comm.Handle] = {}  # bucket name -> gather in flight
+        self.in_flight = InFlight()  # buffers collectives use now: state_tensors()["comm"]
 
     def _make_buckets(self) -> list[ShardedBucket]:
         return [ShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]
@@ -90,20 +92,18 @@ class ZeRO1(DDP):
         self.module.register_forward_hook(lambda m, args, out: self.wait_params())
 
     def _reduce(self, bucket: ShardedBucket, phase: str) -> None:
-        """Reduce-scatter: this rank receives the average gradient of its own shard."""
+        """Reduce-scatter, in place: this rank's shard of flat_grad receives the average of
+        everyone's gradients for it. It stays inside flat_grad (the rest of which is now stale
+        and unused), so that gradients still take 4Ψ, not 4Ψ + 4Ψ/N, and nothing is copied."""
         bucket.reduced = True
-        grad_shard = torch.empty_like(bucket.local_shard)  # (shard_numel,)
-        handle = comm.reduce_scatter(grad_shard, bucket.flat_grad, op="avg",
+        own = shard(bucket.flat_grad, bucket.layout, self.rank)  # (shard_numel,) a view
+        handle = comm.reduce_scatter(own, bucket.flat_grad, op="avg",
                                      tag=f"{self.name}/{phase}/{bucket.name}", group=self.group,
                                      async_op=True, scratch_input=True)  # flat_grad: overwritten
-        self._pending.append((handle, lambda: self._keep_shard(bucket, grad_shard)))
+        self._pending.append((handle, lambda: self._keep_shard(bucket, own)))
 
-    def _keep_shard(self, bucket: ShardedBucket, grad_shard: torch.Tensor) -> None:
-        # Keep it inside flat_grad (the rest of which is now stale and unused), so that
-        # gradients still take 4Ψ, not 4Ψ + 4Ψ/N.
-        own = shard(bucket.flat_grad, bucket.layout, self.rank)
-        own.copy_(grad_shard)
-        bucket.local_shard.grad = own
+    def _keep_shard(self, bucket: ShardedBucket, own: torch.Tensor) -> None:
+        bucket.local_shard.grad = own  # what the optimizer reads for its shard
 
     def _after_step(self) -> None:
         """Every rank updated its own shard: all-gather the shards back into the full params,
@@ -111,9 +111,11 @@ class ZeRO1(DDP):
         self.wait_params()  # two steps without a forward between them: finish the last gathers
         for b in reversed(self.buckets):
             # The input must not alias the output buffer; a shard-sized copy avoids that.
+            sent = b.local_shard.detach().clone()
+            self.in_flight.add(sent)
             self._param_gathers[b.name] = comm.all_gather(
-                b.flat_param, b.local_shard.detach().clone(), tag=f"{self.name}/step/{b.name}",
-                group=self.group, async_op=self.prefetch)
+                b.flat_param, sent, tag=f"{self.name}/step/{b.name}", group=self.group,
+                async_op=self.prefetch)
         if not self.prefetch:
             self.wait_params()
 
@@ -141,6 +143,7 @@ class ZeRO1(DDP):
     def state_tensors(self):
         state = super().state_tensors()
         state["params"] = [b.flat_param for b in self.buckets] + state["params"]
+        state["comm"] = self.in_flight.tensors()  # not model state: model_state_bytes skips it
         return state
 
 

@@ -30,6 +30,7 @@ from zerolab.zero1 import ShardedBucket, ZeRO1
 @dataclass
 class GradShardedBucket(ShardedBucket):
     grad_shard: torch.Tensor | None = None  # (shard_numel,) accumulated averaged gradient shard
+    grad_is_zero: bool = True  # grad_shard holds zeros (zero_grad() since its last reduction)
 
 
 class ZeRO2(ZeRO1):
@@ -55,9 +56,16 @@ class ZeRO2(ZeRO1):
         # (padded_numel,) a parameter used by no one in this step contributes zeros
         full = flatten([p.grad if p.grad is not None else _zeros(shape, bucket.flat_param)
                         for p, shape in zip(bucket.params, bucket.layout.shapes)], bucket.layout)
+        self.in_flight.add(full)  # "comm" in a memory trace until the reduce-scatter is done
         for p in bucket.params:
             p.grad = None  # the full gradients are freed here: only `full` is left, briefly
-        received = torch.empty_like(bucket.grad_shard)  # (shard_numel,)
+        # The first reduction since zero_grad() lands straight in grad_shard (0 + x is x); a
+        # later one (micro-batches accumulated across backward passes) is added to it.
+        received = bucket.grad_shard if bucket.grad_is_zero else torch.empty_like(
+            bucket.grad_shard)  # (shard_numel,)
+        if received is not bucket.grad_shard:
+            self.in_flight.add(received)
+        bucket.grad_is_zero = False
         handle = comm.reduce_scatter(received, full, op="avg",
                                      tag=f"{self.name}/{phase}/{bucket.name}",
                                      group=self.group, async_op=True,
@@ -67,11 +75,13 @@ class ZeRO2(ZeRO1):
     def _accumulate(self, bucket: GradShardedBucket, received: torch.Tensor,
                     full: torch.Tensor) -> None:
         # `full` is passed only to keep it alive until the reduce-scatter that reads it is done.
-        bucket.grad_shard += received  # += so that accumulated micro-batches add up
+        if received is not bucket.grad_shard:
+            bucket.grad_shard += received  # += so that accumulated micro-batches add up
 
     def zero_grad(self) -> None:
         for b in self.buckets:
             b.grad_shard.zero_()
+            b.grad_is_zero = True
 
     def state_tensors(self):
         state = super().state_tensors()

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
+from zerolab.memory import InFlight
 from zerolab.nest import tensors_in
 from zerolab.sharding import FlatLayout, Slot, unflatten
 from zerolab.startup import materialize, materialize_flat, param_names
@@ -206,6 +207,8 @@ class ZeRO3(ZeRO2):
         state = super().state_tensors()
         state["params"] = [t for u in self.units for b in u.buckets
                            for t in (b.local_shard, b.flat_param)] + self.weight_gather.held()
+        # A gather writes straight into the unit's flat_param ("params"); qwZ adds buffers.
+        state["comm"] = state["comm"] + self.weight_gather.in_flight.tensors()
         return state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -224,6 +227,7 @@ class WeightGather:
     def __init__(self, name: str, group: dist.ProcessGroup | None):
         self.name = name  # the stage, first part of the comm tags
         self.group = group
+        self.in_flight = InFlight()  # buffers of its own a gather uses now (qwZ's int8 ones)
 
     def gather(self, b, phase: str, async_op: bool) -> comm.Handle:
         """Fill b.flat_param (padded_numel,) from every rank's b.local_shard (shard_numel,)."""

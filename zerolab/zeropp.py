@@ -63,6 +63,7 @@ class ZeroPPGather(WeightGather):
         q, scales = quantize_int8(b.local_shard.detach())  # (shard_numel,), (blocks,)
         all_q = torch.empty(world_size * q.numel(), dtype=torch.int8, device=q.device)
         all_scales = torch.empty(world_size * scales.numel(), device=q.device)
+        self.in_flight.add(q, scales, all_q, all_scales)
         handles = [comm.all_gather(all_q, q, tag=f"{self.name}/{phase}/{b.name}.int8",
                                    group=self.group, async_op=async_op),
                    comm.all_gather(all_scales, scales, tag=f"{self.name}/{phase}/{b.name}.scales",
