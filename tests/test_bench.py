@@ -1,7 +1,9 @@
 """`python -m zerolab.bench --quick`: all seven strategies run, and each ends where torch DDP does.
 
 One quick benchmark (a few seconds) is run as a subprocess, exactly as CI or a learner would run
-it; the tests read its JSON, its table and its plot.
+it; the tests read its JSON, its table and its plot. A second one runs a pair (ZeRO-3 and FSDP2),
+the way `--gpt2` runs each stage with its counterpart; the GPT-2 run itself is not a test (it
+takes minutes per pair): its preset is checked without building the model.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zerolab import bench_config, harness, progress
+from zerolab import bench, bench_config, harness, progress, theory
 from zerolab.models import GPT, num_params
 
 REPO = Path(__file__).resolve().parent.parent
@@ -27,18 +29,27 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def quick(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("bench")
+def run_bench(out: Path, *args: str) -> dict:
     json_path, plot_path = out / "bench.json", out / "bench.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "zerolab.bench", "--quick", "--json", str(json_path),
+        [sys.executable, "-m", "zerolab.bench", *args, "--json", str(json_path),
          "--plot", str(plot_path)],
         capture_output=True, text=True, timeout=600, cwd=REPO, env=subprocess_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(json_path.read_text())
     return {"proc": proc, "report": report, "plot": plot_path,
             "rows": {r["key"]: r for r in report["strategies"]}}
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> dict:
+    return run_bench(tmp_path_factory.mktemp("bench"), "--quick")
+
+
+@pytest.fixture(scope="module")
+def quick_pair(tmp_path_factory) -> dict:
+    return run_bench(tmp_path_factory.mktemp("pair"), "--quick", "--pairs",
+                     "--strategies", "zero3")
 
 
 def test_every_strategy_matches_the_reference(quick):
@@ -69,6 +80,43 @@ def test_timings_and_measurements_are_complete(quick):
         assert not row["c10d_unknown_ops"], key
     for key in bench_config.TIME_TARGETS:
         assert quick["rows"][key]["ratio_to_counterpart"] > 0
+
+
+def test_table_says_how_to_read_it_and_under_what_load(quick):
+    table = quick["proc"].stdout
+    assert "How to read it:" in table
+    assert "load average (1, 5, 15 min) at start" in table
+    assert "what measuring costs" in table
+    env = quick["report"]["environment"]
+    assert len(env["load_average_start"]) == len(env["load_average_end"]) == 3
+
+
+def test_model_state_matches_the_formulas(quick):
+    """Live bytes after step() against zerolab.theory: padding and Adam's step counters only.
+    (torch's ZeroRedundancyOptimizer shards whole parameters: its ranks hold unequal parts.)"""
+    for key, row in quick["rows"].items():
+        slack = 0.25 if key == "torch_ddp_zero" else 0.02
+        assert 1.0 <= row["model_state_to_formula"] <= 1.0 + slack, key
+        stage = bench_config.FORMULA_STAGE[key]
+        assert row["model_state_formula"] == theory.memory_formula(stage)
+
+
+def test_zerolab_traffic_matches_the_formulas(quick):
+    for key in harness.ZEROLAB_ENGINES:  # 2Ψ, ZeRO-3 3Ψ, ring model; padding only
+        assert 1.0 <= quick["rows"][key]["sent_to_formula"] <= 1.01, key
+    assert quick["rows"]["torch_ddp"]["sent_to_formula"] == 1.0
+
+
+def test_measuring_costs_are_reported(quick):
+    for key, row in quick["rows"].items():
+        assert row["tracked_step_s"] > 0 and row["recorded_step_s"] > 0, key
+        assert row["tracker_overhead"] == row["tracked_step_s"] / row["median_step_s"]
+
+
+def test_targets_are_checked_on_paired_ratios(quick):
+    for t in quick["report"]["targets"]:
+        if "paired_ratio" in t:
+            assert t["met"] == (t["paired_ratio"] <= t["limit"])
 
 
 def test_progress_bar_went_to_stderr(quick):
@@ -124,6 +172,56 @@ def test_torch_traffic_follows_the_known_algorithms(quick):
     for ops in fsdp["sent_by_op_per_rank"]:
         assert full / 2 <= ops["reduce_scatter"] <= full / 2 * 1.01
         assert full / 2 < ops["all_gather"] < full
+
+
+# --- pairs: each stage with its counterpart, one launch each (how --gpt2 runs) -------------------
+
+
+def test_a_pair_runs_alone_and_is_compared_with_its_counterpart(quick_pair):
+    report, rows = quick_pair["report"], quick_pair["rows"]
+    assert report["config"]["pairs"] is True
+    assert set(rows) == {"zero3", "torch_fsdp2"}
+    for row in rows.values():
+        assert row["reference"] == "torch_fsdp2"
+        assert row["matches_reference"] is True, row
+    assert rows["zero3"]["paired_ratio_to_counterpart"] > 0
+    assert "pair: zerolab ZeRO-3 against torch FSDP2 fully_shard (reference)" in (
+        quick_pair["proc"].stdout)
+
+
+def test_pairs_and_side_by_side_groups():
+    pairs = bench_config.BenchConfig(pairs=True).groups()
+    assert pairs == [(("ddp", "torch_ddp"), "torch_ddp"),
+                     (("zero1", "torch_ddp_zero"), "torch_ddp_zero"),
+                     (("zero2", "torch_ddp"), "torch_ddp"),
+                     (("zero3", "torch_fsdp2"), "torch_fsdp2")]
+    [(keys, reference)] = bench_config.BenchConfig(strategies=("zero3",)).groups()
+    assert keys == ("zero3", "torch_ddp") and reference == "torch_ddp"  # always the reference
+    with pytest.raises(ValueError, match="pairs need"):
+        bench_config.BenchConfig(pairs=True, strategies=("torch_ddp",)).check()
+
+
+def test_gpt2_preset_is_gpt2_small():
+    config, _ = bench.parse_args(["--gpt2"])
+    assert config.pairs and config.tokens == 64 < config.block_size == 1024
+    c = config.gpt_config()
+    assert theory.gpt_param_count(c.vocab_size, c.n_embd, c.n_layer, c.block_size,
+                                  c.tie_weights) == 124_439_808
+    assert c.n_head == 12 and c.tie_weights
+    config.check()
+    config, _ = bench.parse_args(["--gpt2", "--seq-len", "128", "--steps", "3"])
+    assert (config.tokens, config.steps, config.pairs) == (128, 3, True)
+    with pytest.raises(ValueError, match="seq_len"):
+        bench_config.BenchConfig(seq_len=65).check()
+
+
+def test_under_torchrun_the_world_size_is_torchruns(monkeypatch):
+    """torchrun --nproc-per-node 8 -m zerolab.bench: the ranks are torchrun's, not spawned."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not bench.under_torchrun() and bench.parse_args([])[0].world_size == 2
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert bench.under_torchrun() and bench.parse_args([])[0].world_size == 8
 
 
 # --- the pieces, in-process ---------------------------------------------------------------------

@@ -1,39 +1,50 @@
-"""Benchmark zerolab's engines against torch's own, side by side, on the same model and data.
+"""Benchmark zerolab's engines against torch's own, on the same model and data.
 
-    python -m zerolab.bench                       # world size 2, a ~14M-parameter GPT
+    python -m zerolab.bench                       # world size 2, a ~14M-parameter GPT, all 7
     python -m zerolab.bench --quick               # seconds: a tiny GPT, 1 warm-up, 2 steps
+    python -m zerolab.bench --gpt2                # GPT-2 small (124M), in pairs: minutes
     python -m zerolab.bench --json bench.json --plot bench.png
+    torchrun --nproc-per-node 8 -m zerolab.bench --gpt2   # 8 GPUs (NCCL), ranks from torchrun
 
 Seven strategies train the same GPT (same initial weights, same batches, AdamW with the same
-settings) inside the *same* spawned ranks:
+settings):
 
     zerolab DDP, ZeRO-1, ZeRO-2, ZeRO-3        (this package)
     torch DDP                                  (DistributedDataParallel)
     torch DDP + ZeroRedundancyOptimizer        (torch's ZeRO-1)
     torch FSDP2                                (fully_shard on every block and on the root)
 
+Side by side (the default), all seven live in the *same* spawned ranks. In pairs (--pairs, and
+--gpt2, where seven models of 124M parameters at 16 bytes each would not fit in memory), each
+zerolab stage runs with its torch counterpart (DDP and ZeRO-2 with torch DDP, ZeRO-1 with DDP +
+ZeroRedundancyOptimizer, ZeRO-3 with FSDP2), one launch per pair.
+
 Method, so that every figure can be checked:
 
-- Time. All strategies are built side by side, then trained in rounds: each round runs one
-  training step (forward, backward, optimizer step, zero_grad) of every strategy, in an order
-  rotated every round, so that drift in the machine (another job, thermal throttling) hits all
-  strategies alike. Each step starts at a barrier; its time is the slowest rank's. Warm-up
-  rounds are dropped; the table shows the median of the measured rounds. No instrumentation is
+- Time. The strategies of a launch are built side by side, then trained in rounds: each round
+  runs one training step (forward, backward, optimizer step, zero_grad) of every strategy, in an
+  order rotated every round, so that drift in the machine (another job, thermal throttling)
+  hits all strategies alike. Each step starts at a barrier; its time is the slowest rank's.
+  Warm-up rounds are dropped. The targets are checked on the median of the per-round ratios of
+  a stage to its counterpart (the two ran seconds apart in every round). No instrumentation is
   active while timing.
-- Memory and traffic. A separate pass (the trackers add per-op overhead) runs one more step of
-  each strategy under `zerolab.track_memory`, with a `categorize` for every strategy: the
-  engines' `state_tensors()`, and for torch's the module's parameters, gradients and optimizer
-  state. Peak = the largest total of live tensor bytes in the step, by category. Model-state
-  bytes are read after the optimizer step, before zero_grad, from the live tensors.
+- Memory and traffic. A separate pass runs two more steps of each strategy: one under the comm
+  recorder only, one under `zerolab.track_memory` as well, with a `categorize` for every
+  strategy: the engines' `state_tensors()`, and for torch's the module's parameters, gradients
+  and optimizer state. Peak = the largest total of live tensor bytes in the step, by category.
+  Model-state bytes are read after the optimizer step, before zero_grad, from the live tensors,
+  and set against the formulas of zerolab.theory. The two steps' times against a plain step's
+  are what measuring costs (the tracker inspects every op).
 - Bytes sent per rank per step: zerolab's from `record_comm`. torch's collectives do not go
   through zerolab.comm, so a dispatch mode (`torch_comm.CollectiveCounter`) sees each c10d
   collective torch issues (DDP's bucket all-reduces, ZeroRedundancyOptimizer's broadcasts,
   FSDP2's all-gathers and reduce-scatters) and applies the same ring formula as `record_comm`.
   The counter also runs on zerolab's engines, as a cross-check of the two methods.
 - Every step, timed or measured, is `zerolab.harness`'s: the same code the notebooks run.
-- Correctness. After the last step every strategy's full parameters are compared with torch
-  DDP's (the reference): the largest absolute difference must be at most `atol`
-  (`tolerance` * lr: a small fraction of what one AdamW step moves a parameter).
+- Correctness. After the last step every strategy's full parameters are compared with the
+  reference's (torch DDP side by side; the torch counterpart in pairs): the largest absolute
+  difference must be at most `atol` (`tolerance` * lr: a small fraction of what one AdamW step
+  moves a parameter).
 """
 
 from __future__ import annotations
@@ -45,19 +56,22 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 import zerolab
 from zerolab import harness
-from zerolab.bench_config import QUICK, REFERENCE, STRATEGIES, BenchConfig
+from zerolab.bench_config import GPT2, QUICK, STRATEGIES, BenchConfig
 from zerolab.bench_report import format_table, plot, summarize
 from zerolab.models import GPT, num_params
 from zerolab.progress import Progress, ProgressBar, follow_progress
 from zerolab.torch_comm import CollectiveCounter
+
+T = TypeVar("T")
 
 
 def make_engine(key: str, config: BenchConfig, device: torch.device) -> Any:
@@ -74,14 +88,14 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bench_worker(config: BenchConfig, progress: Progress | None = None) -> dict[str, Any]:
-    """Build every strategy on this rank, time them in rotation, measure, compare. Per rank."""
+def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
+                 progress: Progress | None = None) -> dict[str, Any]:
+    """Build `keys` on this rank, time them in rotation, measure, compare with `reference`."""
     ctx = zerolab.init_from_env()
-    keys = [k for k in STRATEGIES if k in config.strategies or k == REFERENCE]
     engines = {k: make_engine(k, config, ctx.device) for k in keys}
-    model = engines[REFERENCE].module
+    model = engines[reference].module
     rounds = config.warmup + config.steps
-    total = rounds * len(keys) + (len(keys) if config.measure else 0) + 1
+    total = rounds * len(keys) + (2 * len(keys) if config.measure else 0) + 1
     done = 0
 
     def report(label: str) -> None:
@@ -94,7 +108,7 @@ def bench_worker(config: BenchConfig, progress: Progress | None = None) -> dict[
         rows = harness.local_batch(model.make_batch, config.global_batch,
                                    config.seed * 100_003 + round_index, ctx.rank,
                                    config.world_size)
-        return tuple(t.to(ctx.device) for t in rows)
+        return tuple(t[:, :config.tokens].to(ctx.device) for t in rows)  # (batch, tokens)
 
     # 1. Timing: one step of every strategy per round, in rotation, nothing recorded.
     times: dict[str, list[float]] = {k: [] for k in keys}
@@ -103,32 +117,44 @@ def bench_worker(config: BenchConfig, progress: Progress | None = None) -> dict[
         x, y = batch(r)
         shift = r % len(keys)
         for key in keys[shift:] + keys[:shift]:
-            dist.barrier()
-            synchronize(ctx.device)
-            start, cpu_start = time.perf_counter(), time.process_time()
-            harness.train_step(engines[key], x, y)
-            synchronize(ctx.device)
-            times[key].append(time.perf_counter() - start)
-            cpu_times[key].append(time.process_time() - cpu_start)
+            wall, cpu, _ = timed(ctx.device, harness.train_step, engines[key], x, y)
+            times[key].append(wall)
+            cpu_times[key].append(cpu)
             report(f"{'warm-up' if r < config.warmup else 'step'} {r + 1}/{rounds} {key}")
 
-    # 2. Memory and traffic: one more step of each, measured.
+    # 2. Memory and traffic: two more steps of each, measured: the comm recorder alone, then
+    # with the memory tracker as well (what measuring memory costs: their times' ratio).
     measured: dict[str, dict[str, Any]] = {}
     if config.measure:
-        x, y = batch(rounds)
         for key in keys:
-            measured[key] = measure_step(engines[key], x, y)
-            report(f"memory and traffic {key}")
+            recorded_s, _, _ = timed(ctx.device, harness.measured_step, engines[key],
+                                     *batch(rounds), memory=False)
+            report(f"traffic {key}")
+            tracked_s, _, m = timed(ctx.device, measure_step, engines[key], *batch(rounds + 1))
+            measured[key] = {**m, "recorded_step_s": recorded_s, "tracked_step_s": tracked_s}
+            report(f"memory {key}")
 
     # 3. Correctness: full parameters against the reference's.
-    reference = engines[REFERENCE].full_state_dict()
-    diffs = {k: harness.max_diff(engines[k].full_state_dict(), reference) for k in keys}
+    expected = engines[reference].full_state_dict()
+    diffs = {k: harness.max_diff(engines[k].full_state_dict(), expected) for k in keys}
     report("compare parameters")
     return {"rank": ctx.rank, "times": times, "cpu_times": cpu_times, "measured": measured,
-            "max_abs_diff": diffs,
+            "max_abs_diff": diffs, "reference": reference,
             "params": num_params(model) if ctx.rank == 0 else None,
             "backend": ctx.backend, "device": str(ctx.device),
             "threads": torch.get_num_threads()}
+
+
+def timed(device: torch.device, fn: Callable[..., T], *args: Any,
+          **kwargs: Any) -> tuple[float, float, T]:
+    """(wall seconds, this process's CPU seconds, result) of fn(*args, **kwargs), started at a
+    barrier so that the ranks start together: the slowest rank's wall time is the step's."""
+    dist.barrier()
+    synchronize(device)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    result = fn(*args, **kwargs)
+    synchronize(device)
+    return time.perf_counter() - start, time.process_time() - cpu_start, result
 
 
 def measure_step(engine: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
@@ -144,24 +170,61 @@ def measure_step(engine: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any
 
 
 def run(config: BenchConfig, progress: bool = True, command: str = "") -> dict[str, Any]:
-    """Launch the benchmark on `config.world_size` ranks; return the report (a dict)."""
+    """Run the benchmark on `config.world_size` ranks (once per group: all strategies side by
+    side, or one launch per pair); return the report (a dict), on every rank under torchrun.
+
+    Started by `python -m zerolab.bench`, it spawns the ranks itself (zerolab.launch: gloo on
+    CPU, NCCL with a GPU per rank). Under torchrun, this process is one of the ranks already.
+    """
     config.check()
     load_start = list(os.getloadavg())
-    bar = ProgressBar("bench") if progress else None
-    with follow_progress(bar) if bar else contextlib.nullcontext() as sink:
-        per_rank = zerolab.launch(bench_worker, config.world_size, args=(config, sink),
-                                  timeout=config.timeout)
-    return summarize(config, per_rank, (load_start, list(os.getloadavg())), command)
+    groups = config.groups()
+    results = []
+    for i, (keys, reference) in enumerate(groups):
+        title = "bench" if len(groups) == 1 else f"bench {i + 1}/{len(groups)} {'+'.join(keys)}"
+        bar = ProgressBar(title) if progress else None
+        if under_torchrun():
+            results.append(run_in_this_job(config, keys, reference, bar))
+            continue
+        with follow_progress(bar) if bar else contextlib.nullcontext() as sink:
+            results.append(zerolab.launch(bench_worker, config.world_size,
+                                          args=(config, keys, reference, sink),
+                                          timeout=config.timeout))
+    return summarize(config, results, (load_start, list(os.getloadavg())), command)
+
+
+def under_torchrun() -> bool:
+    """Whether torchrun started this process as one rank of a job (it sets this variable)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def run_in_this_job(config: BenchConfig, keys: tuple[str, ...], reference: str,
+                    bar: ProgressBar | None) -> list[dict[str, Any]]:
+    """bench_worker on this rank of a torchrun job; every rank gets every rank's results."""
+    ctx = zerolab.init_from_env()
+    if ctx.world_size != config.world_size:
+        raise ValueError(f"--world-size {config.world_size} but torchrun started "
+                         f"{ctx.world_size} ranks: give the same number to both")
+    mine = bench_worker(config, keys, reference, bar if ctx.rank == 0 else None)
+    per_rank: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(per_rank, mine)
+    return per_rank
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Namespace]:
     d = BenchConfig()
     p = argparse.ArgumentParser(prog="python -m zerolab.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="CI mode: a tiny GPT, 1 warm-up and 2 timed rounds (seconds)")
-    p.add_argument("--world-size", type=int, default=d.world_size)
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="CI mode: a tiny GPT, 1 warm-up and 2 timed rounds (seconds)")
+    size.add_argument("--gpt2", action="store_true",
+                      help="GPT-2 small's shape (124M parameters), 64-token sequences, in pairs "
+                           "(minutes per pair)")
+    p.add_argument("--world-size", type=int,  # under torchrun: the ranks it started
+                   default=int(os.environ["WORLD_SIZE"]) if under_torchrun() else d.world_size)
     p.add_argument("--vocab-size", type=int)
     p.add_argument("--block-size", type=int)
+    p.add_argument("--seq-len", type=int, help="tokens per training sequence (<= block size)")
     p.add_argument("--n-layer", type=int)
     p.add_argument("--n-head", type=int)
     p.add_argument("--n-embd", type=int)
@@ -172,6 +235,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     p.add_argument("--bucket-mb", type=float, help="gradient bucket size (MiB)")
     p.add_argument("--strategies", default=",".join(STRATEGIES),
                    help=f"comma-separated subset of {','.join(STRATEGIES)}")
+    p.add_argument("--pairs", action="store_true", default=None,
+                   help="one launch per zerolab stage and its torch counterpart (less memory)")
     p.add_argument("--no-measure", action="store_true", help="skip the memory/traffic pass")
     p.add_argument("--tolerance", type=float, default=d.tolerance,
                    help="matches when max |param - torch DDP's param| <= TOLERANCE * lr")
@@ -180,10 +245,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     p.add_argument("--plot", metavar="PATH", help="write the figures as one PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(argv)
-    config = replace(BenchConfig(), **(QUICK if args.quick else {}))
+    preset = QUICK if args.quick else GPT2 if args.gpt2 else {}
+    config = replace(BenchConfig(), **preset)
     overrides = {name: getattr(args, name) for name in
-                 ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "global_batch",
-                  "warmup", "steps", "bucket_mb") if getattr(args, name) is not None}
+                 ("vocab_size", "block_size", "seq_len", "n_layer", "n_head", "n_embd",
+                  "global_batch", "warmup", "steps", "bucket_mb", "pairs")
+                 if getattr(args, name) is not None}
     config = replace(config, **overrides, world_size=args.world_size, lr=args.lr,
                      tolerance=args.tolerance, seed=args.seed, measure=not args.no_measure,
                      strategies=tuple(s.strip() for s in args.strategies.split(",")))
@@ -194,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     config, args = parse_args(argv)
     command = "python -m zerolab.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     report = run(config, progress=not args.no_progress, command=command.strip())
+    ok = all(r["matches_reference"] for r in report["strategies"])
+    if under_torchrun() and dist.get_rank() != 0:
+        return 0 if ok else 1  # rank 0 prints and writes
     print(format_table(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -202,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
-    return 0 if all(r["matches_reference"] for r in report["strategies"]) else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

@@ -14,80 +14,35 @@ from typing import Any
 
 import torch
 
+from zerolab import theory
 from zerolab.bench_config import (
     COUNTERPARTS,
+    FORMULA_STAGE,
     LABELS,
     MEMORY_TARGETS,
     SHORT_LABELS,
     TIME_TARGETS,
+    TRAFFIC_STAGE,
     BenchConfig,
 )
 from zerolab.harness import ZEROLAB_ENGINES
 
 
-def summarize(config: BenchConfig, per_rank: list[dict[str, Any]],
+def summarize(config: BenchConfig, results: list[list[dict[str, Any]]],
               load: tuple[list[float], list[float]], command: str) -> dict[str, Any]:
-    """Combine the ranks' results: step time = the slowest rank's, per round; medians; targets."""
-    keys = list(per_rank[0]["times"])
-    rows: dict[str, dict[str, Any]] = {}
-    for key in keys:
-        timed = range(config.warmup, config.warmup + config.steps)
-        step_times = [max(res["times"][key][i] for res in per_rank) for i in timed]
-        diff = max(res["max_abs_diff"][key] for res in per_rank)
-        row: dict[str, Any] = {
-            "key": key, "label": LABELS[key], "counterpart": COUNTERPARTS.get(key),
-            "step_times_s": step_times, "median_step_s": statistics.median(step_times),
-            # CPU seconds per step of each rank's process (compute and gloo's threads): less
-            # sensitive than wall time to other jobs on the machine.
-            "median_cpu_s_per_rank": [statistics.median(res["cpu_times"][key][i] for i in timed)
-                                      for res in per_rank],
-            "max_abs_diff": diff, "matches_reference": diff <= config.atol,
-        }
-        if config.measure:
-            m = [res["measured"][key] for res in per_rank]
-            zl = key in ZEROLAB_ENGINES  # issues its collectives through zerolab.comm
-            row.update({
-                "peak_bytes_per_rank": [r["peak_bytes"] for r in m],
-                "peak_by_category_per_rank": [r["peak_by_category"] for r in m],
-                "device_peak_bytes_per_rank": [r["device_peak_bytes"] for r in m],
-                "model_state_bytes_per_rank": [r["model_state_bytes"] for r in m],
-                "sent_bytes_per_rank": [r["record_comm_bytes"] if zl else r["c10d_bytes"]
-                                        for r in m],
-                "sent_bytes_source": "zerolab.record_comm" if zl else
-                "c10d collectives counted by CollectiveCounter, ring formula",
-                "sent_by_op_per_rank": [r["record_comm_by_op"] if zl else r["c10d_by_op"]
-                                        for r in m],
-                "c10d_bytes_per_rank": [r["c10d_bytes"] for r in m],
-                "c10d_calls_per_rank": [r["c10d_calls"] for r in m],
-                "c10d_unknown_ops": sorted({op for r in m for op in r["c10d_unknown_ops"]}),
-            })
-        rows[key] = row
-    targets = []
-    for key, limit in TIME_TARGETS.items():
-        other = COUNTERPARTS[key]
-        if key in rows and other in rows:
-            ratio = rows[key]["median_step_s"] / rows[other]["median_step_s"]
-            # A check on noise: both ran in every round, seconds apart, so a machine that slows
-            # down for a while slows both; the median of their per-round ratios cancels that.
-            paired = statistics.median(a / b for a, b in zip(rows[key]["step_times_s"],
-                                                             rows[other]["step_times_s"]))
-            rows[key]["ratio_to_counterpart"] = ratio
-            rows[key]["paired_ratio_to_counterpart"] = paired
-            targets.append({"what": f"{LABELS[key]} step time / {LABELS[other]}",
-                            "ratio": ratio, "paired_ratio": paired, "limit": limit,
-                            "met": ratio <= limit})
-    for key, limit in MEMORY_TARGETS.items():
-        other = COUNTERPARTS[key]
-        if config.measure and key in rows and other in rows:
-            ratio = max(rows[key]["peak_bytes_per_rank"]) / max(rows[other]["peak_bytes_per_rank"])
-            rows[key]["peak_ratio_to_counterpart"] = ratio
-            targets.append({"what": f"{LABELS[key]} peak memory per rank / {LABELS[other]}",
-                            "ratio": ratio, "limit": limit, "met": ratio <= limit})
-    first = per_rank[0]
+    """Combine the ranks' results of every launch (one side by side, or one per pair)."""
+    psi = results[0][0]["params"]
+    rows, targets = [], []
+    for group, per_rank in enumerate(results):
+        group_rows = {key: _row(config, key, per_rank, group, psi) for key in per_rank[0]["times"]}
+        targets += _targets(config, group_rows)
+        rows += group_rows.values()
+    first = results[0][0]
     return {
         "command": command,
         "config": {**asdict(config), "atol": config.atol},
-        "model": {"params": first["params"], "gpt_config": asdict(config.gpt_config())},
+        "model": {"params": psi, "gpt_config": asdict(config.gpt_config()),
+                  "tokens_per_sequence": config.tokens},
         "environment": {
             "torch": torch.__version__, "python": platform.python_version(),
             "machine": platform.machine(), "cores": os.cpu_count(),
@@ -98,8 +53,8 @@ def summarize(config: BenchConfig, per_rank: list[dict[str, Any]],
         "method": {
             "step_time": "per round, the slowest rank's time from a barrier to the end of "
                          "zero_grad; median over the timed rounds; strategies rotated per round",
-            "ratio": "median step time / the torch counterpart's; paired_ratio: median over "
-                     "rounds of the two strategies' times in the same round",
+            "ratio": "median step time / the torch counterpart's; paired_ratio (the targets): "
+                     "median over rounds of the two strategies' times in the same round",
             "torch_settings": "DistributedDataParallel(gradient_as_bucket_view=True, "
                               f"bucket_cap_mb={config.bucket_mb:g}); ZeroRedundancyOptimizer("
                               "parameters_as_bucket_view=True); fully_shard on each block, then "
@@ -108,15 +63,97 @@ def summarize(config: BenchConfig, per_rank: list[dict[str, Any]],
                               "their gradient buffers",
             "memory": "zerolab.track_memory over one step (forward, backward, optimizer step), "
                       "separate from timing; peak = largest total of live tensor bytes",
-            "model_state": "distinct storages of params, grads, optimizer state after step()",
+            "model_state": "distinct storages of params, grads, optimizer state after step(); "
+                           "formula: zerolab.theory.model_state_memory (fp32 Adam)",
             "sent_bytes": "ring-algorithm bytes this rank sends in one step: zerolab's from "
-                          "record_comm, torch's from the c10d collectives it issues",
-            "matches_reference": f"max |param - torch DDP's param| <= atol={config.atol:g} "
+                          "record_comm, torch's from the c10d collectives it issues; formula: "
+                          "zerolab.theory.comm_volume",
+            "measuring_cost": "tracked_step_s: a step under the comm recorder, the memory "
+                              "tracker and the c10d counter (two dispatch modes); "
+                              "recorded_step_s: under the comm recorder only; each one step, "
+                              "over median_step_s (plain)",
+            "matches_reference": f"max |param - the reference's param| <= atol={config.atol:g} "
                                  "after the last step, same initial weights and batches",
         },
-        "strategies": [rows[k] for k in keys],
+        "strategies": rows,
         "targets": targets,
     }
+
+
+def _row(config: BenchConfig, key: str, per_rank: list[dict[str, Any]], group: int,
+         psi: int) -> dict[str, Any]:
+    """One strategy of one launch: its step times (slowest rank per round) and measurements."""
+    timed = range(config.warmup, config.warmup + config.steps)
+    step_times = [max(res["times"][key][i] for res in per_rank) for i in timed]
+    diff = max(res["max_abs_diff"][key] for res in per_rank)
+    row: dict[str, Any] = {
+        "key": key, "label": LABELS[key], "counterpart": COUNTERPARTS.get(key),
+        "group": group, "reference": per_rank[0]["reference"],
+        "step_times_s": step_times, "median_step_s": statistics.median(step_times),
+        # CPU seconds per step of each rank's process (compute and gloo's threads): less
+        # sensitive than wall time to other jobs on the machine.
+        "median_cpu_s_per_rank": [statistics.median(res["cpu_times"][key][i] for i in timed)
+                                  for res in per_rank],
+        "max_abs_diff": diff, "matches_reference": diff <= config.atol,
+    }
+    if not config.measure:
+        return row
+    m = [res["measured"][key] for res in per_rank]
+    zl = key in ZEROLAB_ENGINES  # issues its collectives through zerolab.comm
+    states = [sum(r["model_state_bytes"].values()) for r in m]
+    sent = [r["record_comm_bytes"] if zl else r["c10d_bytes"] for r in m]
+    formula_state = theory.model_state_memory(psi, config.world_size, FORMULA_STAGE[key])
+    formula_sent = theory.comm_volume(psi, config.world_size, TRAFFIC_STAGE[key]).ring_sent_bytes
+    plain = row["median_step_s"]
+    row.update({
+        "peak_bytes_per_rank": [r["peak_bytes"] for r in m],
+        "peak_by_category_per_rank": [r["peak_by_category"] for r in m],
+        "device_peak_bytes_per_rank": [r["device_peak_bytes"] for r in m],
+        "model_state_bytes_per_rank": [r["model_state_bytes"] for r in m],
+        "model_state_formula_bytes": formula_state.as_dict(),
+        "model_state_formula": theory.memory_formula(FORMULA_STAGE[key]),
+        "model_state_to_formula": max(states) / formula_state.total,
+        "sent_bytes_per_rank": sent,
+        "sent_formula_bytes": formula_sent,
+        "sent_to_formula": max(sent) / formula_sent if formula_sent else None,
+        "sent_bytes_source": "zerolab.record_comm" if zl else
+        "c10d collectives counted by CollectiveCounter, ring formula",
+        "sent_by_op_per_rank": [r["record_comm_by_op"] if zl else r["c10d_by_op"] for r in m],
+        "c10d_bytes_per_rank": [r["c10d_bytes"] for r in m],
+        "c10d_calls_per_rank": [r["c10d_calls"] for r in m],
+        "c10d_unknown_ops": sorted({op for r in m for op in r["c10d_unknown_ops"]}),
+        "recorded_step_s": max(r["recorded_step_s"] for r in m),
+        "tracked_step_s": max(r["tracked_step_s"] for r in m),
+        "recorder_overhead": max(r["recorded_step_s"] for r in m) / plain,
+        "tracker_overhead": max(r["tracked_step_s"] for r in m) / plain,
+    })
+    return row
+
+
+def _targets(config: BenchConfig, rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each zerolab stage of this launch against its torch counterpart, if both ran in it."""
+    targets = []
+    for key, limit in TIME_TARGETS.items():
+        other = COUNTERPARTS[key]
+        if key in rows and other in rows:
+            ratio = rows[key]["median_step_s"] / rows[other]["median_step_s"]
+            # Both ran in every round, seconds apart, so a machine that slows down for a while
+            # slows both; the median of their per-round ratios cancels that.
+            paired = statistics.median(a / b for a, b in zip(rows[key]["step_times_s"],
+                                                             rows[other]["step_times_s"]))
+            rows[key]["ratio_to_counterpart"] = ratio
+            rows[key]["paired_ratio_to_counterpart"] = paired
+            targets.append({"what": f"{LABELS[key]} step time / {LABELS[other]}",
+                            "ratio": ratio, "paired_ratio": paired, "limit": limit,
+                            "met": paired <= limit})
+    for key, limit in MEMORY_TARGETS.items():
+        other = COUNTERPARTS[key]
+        if config.measure and key in rows and other in rows:
+            ratio = max(rows[key]["peak_bytes_per_rank"]) / max(rows[other]["peak_bytes_per_rank"])
+            rows[key]["peak_ratio_to_counterpart"] = ratio
+            targets.append({"what": f"{LABELS[key]} peak memory per rank / {LABELS[other]}",
+                            "ratio": ratio, "limit": limit, "met": ratio <= limit})
+    return targets
 
 
 def _in(n: float, scale: float) -> str:
@@ -124,55 +161,111 @@ def _in(n: float, scale: float) -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    """The report as a text table, one strategy per row, then the targets."""
+    """The report as a text table, one strategy per row (grouped by pair), the targets, what
+    measuring costs, and how to read it all."""
     rows = report["strategies"]
-    cfg = report["config"]
+    cfg, env = report["config"], report["environment"]
     measured = "peak_bytes_per_rank" in rows[0]
     largest = max((max(r["peak_bytes_per_rank"]) for r in rows), default=0) if measured else 0
     unit, scale = ("KiB", 2**10) if 0 < largest < 2**20 else ("MiB", 2**20)
     header = ["strategy", "step ms", "vs torch", f"peak {unit}/rank",
-              "  params/grads/optim/other", f"state {unit}/rank", f"sent {unit}/rank/step",
-              "matches ref (max |diff|)"]
-    lines = []
+              "  params/grads/optim/other", f"state {unit}/rank", "/formula",
+              f"sent {unit}/rank/step", "/formula", "matches ref (max |diff|)"]
+    lines: list[list[str] | str] = []
     for r in rows:
-        ratio = r.get("ratio_to_counterpart")
-        vs = f"{ratio:.2f}x {_short_key(r['counterpart'])}" if ratio is not None else "-"
-        cells = [r["label"], f"{r['median_step_s'] * 1e3:.0f}", vs]
-        if measured:
-            k = max(range(len(r["peak_bytes_per_rank"])), key=r["peak_bytes_per_rank"].__getitem__)
-            cat = r["peak_by_category_per_rank"][k]
-            state = max(sum(s.values()) for s in r["model_state_bytes_per_rank"])
-            cells += [_in(r["peak_bytes_per_rank"][k], scale),
-                      "/".join(_in(cat.get(c, 0), scale)
-                               for c in ("params", "grads", "optimizer", "other")),
-                      _in(state, scale), _in(max(r["sent_bytes_per_rank"]), scale)]
-        else:
-            cells += ["-", "-", "-", "-"]
-        cells.append(f"{'yes' if r['matches_reference'] else 'NO'} ({r['max_abs_diff']:.1e})")
-        lines.append(cells)
-    widths = [max(len(str(row[i])) for row in [header, *lines]) for i in range(len(header))]
+        if cfg["pairs"] and r["key"] in ZEROLAB_ENGINES:
+            lines.append(f"pair: {r['label']} against {LABELS[r['reference']]} (reference)")
+        lines.append(_cells(r, measured, scale))
+    widths = [max(len(row[i]) for row in [header, *lines] if isinstance(row, list))
+              for i in range(len(header))]
+    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
+    mode = "in pairs, one launch each" if cfg["pairs"] else "side by side in the same ranks"
     out = [f"{report['model']['params']:,}-parameter GPT (n_layer={cfg['n_layer']}, "
            f"n_embd={cfg['n_embd']}, vocab={cfg['vocab_size']}, block={cfg['block_size']}), "
-           f"world size {cfg['world_size']} ({report['environment']['backend']}, "
-           f"{report['environment']['threads_per_rank']} thread/rank), global batch "
-           f"{cfg['global_batch']}, {cfg['warmup']} warm-up + {cfg['steps']} timed rounds"]
-    fmt = "  ".join(f"{{:{'<' if i == 0 else '>'}{w}}}" for i, w in enumerate(widths))
-    out.append(fmt.format(*header))
-    out.append("  ".join("-" * w for w in widths))
-    out += [fmt.format(*cells) for cells in lines]
-    out.append("peak: the rank with the larger peak; sent: zerolab from record_comm, torch from "
-               "its c10d collectives (ring formula)")
-    if report["environment"]["backend"] == "gloo":
+           f"{report['model']['tokens_per_sequence']} tokens/sequence, world size "
+           f"{cfg['world_size']} ({env['backend']}, {env['threads_per_rank']} thread/rank), "
+           f"global batch {cfg['global_batch']}, {cfg['warmup']} warm-up + {cfg['steps']} "
+           f"timed rounds, {mode}",
+           "load average (1, 5, 15 min) at start " + _load(env["load_average_start"])
+           + ", at end " + _load(env["load_average_end"]) + f" on {env['cores']} cores",
+           fmt.format(*header), "  ".join("-" * w for w in widths)]
+    out += [fmt.format(*line) if isinstance(line, list) else line for line in lines]
+    if env["backend"] == "gloo":
         out.append("gloo has no reduce-scatter: it runs an all-reduce (2(N-1)/N*S, not (N-1)/N*S) "
                    "where the table counts a reduce-scatter")
     if cfg["steps"] < 5:
         out.append(f"note: {cfg['steps']} timed round(s): the timings are indicative only")
     for t in report["targets"]:
-        paired = (f" (median of per-round ratios {t['paired_ratio']:.2f})"
-                  if "paired_ratio" in t else "")
-        out.append(f"target {t['what']}: {t['ratio']:.2f}{paired} <= {t['limit']:.2f}: "
-                   f"{'met' if t['met'] else 'MISSED'}")
+        if "paired_ratio" in t:
+            out.append(f"target {t['what']}: {t['paired_ratio']:.2f} (median of per-round "
+                       f"ratios; ratio of medians {t['ratio']:.2f}) <= {t['limit']:.2f}: "
+                       f"{'met' if t['met'] else 'MISSED'}")
+        else:
+            out.append(f"target {t['what']}: {t['ratio']:.2f} <= {t['limit']:.2f}: "
+                       f"{'met' if t['met'] else 'MISSED'}")
+    if measured and any(None not in r["device_peak_bytes_per_rank"] for r in rows):
+        out.append(f"CUDA allocator's peak (max_memory_allocated) {unit}/rank, against the "
+                   "tracker's peak above: " + ", ".join(
+                       f"{_short_label(r)} {_in(max(r['device_peak_bytes_per_rank']), scale)}"
+                       for r in rows if None not in r["device_peak_bytes_per_rank"]))
+    if measured:
+        costs = [f"{_short_label(r)} {r['recorder_overhead']:.1f}x/{r['tracker_overhead']:.1f}x"
+                 for r in rows]
+        out.append("what measuring costs, a step's time / a plain step's (comm recorder / comm "
+                   "recorder + memory tracker): " + ", ".join(costs))
+    out.append(HOW_TO_READ)
     return "\n".join(out)
+
+
+HOW_TO_READ = """How to read it:
+- step ms: median, over the timed rounds, of the slowest rank's step (forward, backward,
+  optimizer step, zero_grad). Other jobs on the machine move it; "vs torch" is the median of
+  the per-round ratios to the torch counterpart, which ran in the same round seconds apart:
+  the targets are checked on it.
+- peak: the largest total of live tensor bytes during one step, on the rank with the larger
+  one, split at that moment into params/grads/optimizer state/other (activations, gathered
+  units, gradient buckets in flight).
+- state: model-state bytes held after step(). /formula divides by zerolab.theory's (fp32 Adam):
+  DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N, ZeRO-3 16Ψ/N; a little over 1.00 is padding
+  to N equal shards and Adam's step counters; torch's ZeroRedundancyOptimizer shards whole
+  parameters, so its ranks hold unequal parts.
+- sent: ring-model bytes one rank sends per step. /formula divides by 2Ψ·4 B·(N-1)/N (DDP,
+  ZeRO-1, ZeRO-2) or 3Ψ (ZeRO-3, and torch's ZeRO-1, which all-reduces and then broadcasts);
+  FSDP2 sends less than 3Ψ: it keeps the root (embeddings) gathered from forward to backward.
+- matches ref: the largest |parameter - the reference's| after the last step; 0 is bitwise
+  equal (at N=2 every sum of two numbers is exact in any order).
+- what measuring costs: one step under the comm recorder, then one under the memory tracker
+  (and the c10d counter) as well, each against a plain step; the tracker inspects every op,
+  so the more ops a strategy runs per step, the more it costs: keep it off when timing."""
+
+
+def _load(values: list[float]) -> str:
+    return "/".join(f"{v:.1f}" for v in values)
+
+
+def _short_label(row: dict[str, Any]) -> str:
+    return SHORT_LABELS[row["key"]].replace("\n", " ")
+
+
+def _cells(r: dict[str, Any], measured: bool, scale: float) -> list[str]:
+    paired = r.get("paired_ratio_to_counterpart")
+    vs = f"{paired:.2f}x {_short_key(r['counterpart'])}" if paired is not None else "-"
+    cells = [r["label"], f"{r['median_step_s'] * 1e3:.0f}", vs]
+    if measured:
+        k = max(range(len(r["peak_bytes_per_rank"])), key=r["peak_bytes_per_rank"].__getitem__)
+        cat = r["peak_by_category_per_rank"][k]
+        state = max(sum(s.values()) for s in r["model_state_bytes_per_rank"])
+        sent_ratio = r["sent_to_formula"]
+        cells += [_in(r["peak_bytes_per_rank"][k], scale),
+                  "/".join(_in(cat.get(c, 0), scale)
+                           for c in ("params", "grads", "optimizer", "other")),
+                  _in(state, scale), f"{r['model_state_to_formula']:.2f}",
+                  _in(max(r["sent_bytes_per_rank"]), scale),
+                  "-" if sent_ratio is None else f"{sent_ratio:.2f}"]
+    else:
+        cells += ["-"] * 6
+    cells.append(f"{'yes' if r['matches_reference'] else 'NO'} ({r['max_abs_diff']:.1e})")
+    return cells
 
 
 def _short_key(key: str | None) -> str:
