@@ -71,6 +71,18 @@ def _methods(path: Path) -> dict[str, ast.FunctionDef]:
 
 
 @pytest.mark.parametrize("ex_id", ENGINES)
+def test_first_hint_is_the_stubs_own_hints_by_method(ex_id):
+    """hint("1.3") starts where the stub does: each method's "Hint:" paragraph, named."""
+    methods = _methods(REPO / "exercises" / f"{ENGINES[ex_id]}.py")
+    hinted = {name: " ".join(ast.get_docstring(node).split("Hint:")[1].split("\n\n")[0].split())
+              for name, node in methods.items() if "Hint:" in (ast.get_docstring(node) or "")}
+    assert hinted, "the stub has hints"
+    levels = grading.hint_levels(ex_id)
+    assert levels[0] == " ".join(f"{name}: {text}" for name, text in hinted.items())
+    assert len(levels) >= 3 and len(set(levels)) == len(levels)
+
+
+@pytest.mark.parametrize("ex_id", ENGINES)
 def test_stubs_state_the_contract_and_raise_the_exercise(ex_id):
     module = ENGINES[ex_id]
     solution, stub = REPO / "solutions" / f"{module}.py", REPO / "exercises" / f"{module}.py"
@@ -190,7 +202,16 @@ def test_a_method_left_unwritten_is_reported(tmp_path):
 
 @pytest.fixture(scope="module")
 def wrong_reports() -> dict[str, grading.Report]:
-    return {v: _grade(WRONG / v) for v in sorted({v for v, _ in CAUGHT})}
+    """Each folder's wrong engines, on 1 rank, then 2, ... up to the largest world size where
+    one of them shows (the grader stops at the first world size that finds an engine wrong, so
+    more ranks would not change these results, only make the suite slower)."""
+    reports = {}
+    for variant in sorted({v for v, _ in CAUGHT}):
+        ids = [i for v, i in sorted(CAUGHT) if v == variant]
+        top = max(CAUGHT[variant, i][0] for i in ids)
+        reports[variant] = grading.grade(ids, path=WRONG / variant, timeout=TIMEOUT,
+                                         world_sizes=tuple(range(1, top + 1)))
+    return reports
 
 
 @pytest.mark.parametrize("variant,ex_id", sorted(CAUGHT))

@@ -27,17 +27,25 @@ def _exercise(name: str) -> Exercise:
 
 
 def _stub_hint(ex: Exercise) -> str:
-    """The "Hint:" paragraph of the exercise's docstring ("" when there is none)."""
+    """The "Hint:" paragraph of the exercise's docstring ("" when there is none). For an engine
+    (a class), the "Hint:" paragraphs of its methods, each after the method's name."""
     path = SOLUTIONS_DIR / f"{ex.module}.py"
     if not path.exists():
         return ""
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.FunctionDef) and node.name == ex.function:
-            doc = ast.get_docstring(node) or ""
-            _, found, after = doc.partition("Hint:")
-            text = " ".join(after.split("\n\n")[0].split()) if found else ""
+            text = _hint_paragraph(node)
             return text[:1].upper() + text[1:]
+        if isinstance(node, ast.ClassDef) and node.name == ex.function:
+            methods = [n for n in node.body if isinstance(n, ast.FunctionDef)]
+            return " ".join(f"{m.name}: {_hint_paragraph(m)}" for m in methods
+                            if _hint_paragraph(m))
     return ""
+
+
+def _hint_paragraph(node: ast.FunctionDef) -> str:
+    _, found, after = (ast.get_docstring(node) or "").partition("Hint:")
+    return " ".join(after.split("\n\n")[0].split()) if found else ""
 
 
 def hint_levels(name: str) -> list[str]:
