@@ -33,7 +33,7 @@ def lessons_at_4() -> dict:
             "groups": n00_launch.process_groups(),
             "tour": n02_collectives.collectives_tour(bytes_numel=BYTES_NUMEL,
                                                      timeline_numel=12 * 64),
-            "zero1": n03_zero1.compare_stages()}
+            "zero1": n03_zero1.zero1_lesson()}
 
 
 @pytest.fixture(scope="module")
@@ -127,20 +127,20 @@ def test_activations_grow_with_the_batch_and_model_states_do_not(at2):
 
 # ---- 02: collectives ----------------------------------------------------------------------------
 
-def test_the_seeds_reduce_scatter_example_is_exact(at4):
-    seeds = [r["tour"].seeds for r in at4[:3]]
-    assert at4[3]["tour"].seeds is None
-    assert [s.reduce_scatter for s in seeds] == [[6, 12], [14, 56], [36, 288]]
-    assert seeds[1].input_chunks == [[2, 4], [4, 16], [8, 64]]
-    for s in seeds:
+def test_the_articles_reduce_scatter_example_is_exact(at4):
+    examples = [r["tour"].example for r in at4[:3]]
+    assert at4[3]["tour"].example is None
+    assert [s.reduce_scatter for s in examples] == [[6, 12], [14, 56], [36, 288]]
+    assert examples[1].input_chunks == [[2, 4], [4, 16], [8, 64]]
+    for s in examples:
         assert s.all_gather == s.all_reduce == [6, 12, 14, 56, 36, 288]
         assert s.rs_then_ag_equals_ar and s.ring_equals_torch
         assert s.ring_snapshots[-1] == [6, 12, 14, 56, 36, 288]
 
 
 def test_ring_all_gather_fills_one_shard_per_step_from_the_left(at4):
-    seeds = [r["tour"].seeds for r in at4[:3]]
-    for rank, s in enumerate(seeds):
+    examples = [r["tour"].example for r in at4[:3]]
+    for rank, s in enumerate(examples):
         for step, snapshot in enumerate(s.ring_snapshots):
             held = {j for j in range(3) if snapshot[2 * j] is not None}
             assert held == {(rank - i) % 3 for i in range(step + 1)}
@@ -164,6 +164,21 @@ def test_bytes_per_rank_match_the_ring_formulas(at4, n):
         assert sum(e.nbytes for e in ring.events if e.op == "send") == (n - 1) * s // n
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_wire_bytes_match_what_ran(at4, n):
+    s = 4 * BYTES_NUMEL
+    ran_as = {"all_reduce": 2, "reduce_scatter": 2, "all_gather": 1, "rs+ag": 3,
+              "ring all_gather": 1}  # gloo: a reduce-scatter runs as an all-reduce
+    for r in (r for r in at4 if n in r["tour"].bytes):
+        logs = r["tour"].bytes[n]
+        assert {e.impl for e in logs["reduce_scatter"].events} == {
+            "reduce_scatter as all_reduce (gloo)"}
+        assert {e.impl for e in logs["all_gather"].events} == {
+            f"all_gather as {n} broadcasts (gloo)"}
+        for op, k in ran_as.items():
+            assert 1 <= logs[op].total_wire_bytes() / (k * (n - 1) * s / n) < 1.03, op
+
+
 def test_timeline_log_has_three_phases_and_every_call(at4):
     for r in at4:
         log = r["tour"].timeline
@@ -183,11 +198,11 @@ def test_zero1_lesson_compares_ddp_zero1_and_the_naive_version():
 
 
 def test_zero1_and_naive_train_the_same_model_as_ddp(at4):
-    single = at4[0]["zero1"][1]["ddp"].state
+    single = at4[0]["zero1"].stages[1]["ddp"].state
     for r in at4:
         rank = r["first"].rank
         for n in (1, 2, 4):
-            runs = r["zero1"][n]
+            runs = r["zero1"].stages[n]
             assert list(runs) == list(STAGES)
             for stage in STAGES:
                 assert runs[stage].group == list(range(rank // n * n, rank // n * n + n))
@@ -198,7 +213,7 @@ def test_zero1_and_naive_train_the_same_model_as_ddp(at4):
 def test_zero1_optimizer_bytes_are_8_psi_over_n(at4):
     for r in at4:
         for n in (1, 2, 4):
-            runs = r["zero1"][n]
+            runs = r["zero1"].stages[n]
             assert runs["ddp"].held == {"params": 4 * PSI, "grads": 4 * PSI,
                                         "optimizer": 8 * PSI + 4 * PARAM_TENSORS}
             for stage in ("zero1", "zero1naive"):
@@ -212,7 +227,7 @@ def test_zero1_optimizer_bytes_are_8_psi_over_n(at4):
 def test_zero1_sends_2_psi_and_the_naive_version_3_psi(at4):
     for r in at4:
         for n in (1, 2, 4):
-            runs = r["zero1"][n]
+            runs = r["zero1"].stages[n]
             for stage in STAGES:
                 expected = theory.comm_volume(PSI, n, stage).ring_sent_bytes
                 assert runs[stage].log.total_bytes() == expected, (n, stage)
@@ -221,13 +236,64 @@ def test_zero1_sends_2_psi_and_the_naive_version_3_psi(at4):
                 assert ops == {"ddp": {"all_reduce"},
                                "zero1": {"reduce_scatter", "all_gather"},
                                "zero1naive": {"all_reduce", "all_gather"}}
-        runs = r["zero1"][4]
+        runs = r["zero1"].stages[4]
         assert runs["zero1naive"].log.total_bytes() * 2 == runs["zero1"].log.total_bytes() * 3
 
 
-def test_zero1_step_reduces_after_backward_inside_step(at4):
-    log = at4[0]["zero1"][2]["zero1"].log
-    step = next(s for s in log.spans if s.name == "step")
-    backward = next(s for s in log.spans if s.name == "backward")
-    assert [e.op for e in log.events] == ["reduce_scatter", "all_gather"]
-    assert all(step.start <= e.start and e.start >= backward.end for e in log.events)
+def _spans(log, name):
+    return [s for s in log.spans if s.name == name]
+
+
+def test_paper_schedule_runs_both_collectives_inside_step(at4):
+    for r in at4:
+        run = r["zero1"].schedules["zero1after"]
+        backwards, steps = _spans(run.log, "backward"), _spans(run.log, "step")
+        assert len(steps) == 2 and run.buckets == 4
+        assert [e.op for e in run.log.events] == (
+            ["reduce_scatter"] * 4 + ["all_gather"] * 4) * 2
+        for k, events in enumerate((run.log.events[:8], run.log.events[8:])):
+            assert all(backwards[k].end <= e.start and e.end <= steps[k].end for e in events)
+
+
+def test_zero1_reduces_during_backward_and_gathers_into_the_next_forward(at4):
+    for r in at4:
+        run = r["zero1"].schedules["zero1"]
+        backwards, forwards = _spans(run.log, "backward"), _spans(run.log, "forward")
+        first = run.log.events[:8]  # the first recorded step's 4 reduce-scatters, 4 gathers
+        assert [e.op for e in first] == ["reduce_scatter"] * 4 + ["all_gather"] * 4
+        assert all(e.start < backwards[0].end for e in first[:4])
+        assert all(forwards[1].start <= e.end <= forwards[1].end for e in first[4:])
+
+
+def test_both_schedules_send_the_same_bytes(at4):
+    q = 4 * PSI * 3 // 4  # one pass over the model at N = 4, ring model
+    for r in at4:
+        logs = [r["zero1"].schedules[name].log for name in n03_zero1.SCHEDULES]
+        assert logs[0].bytes_by_op() == logs[1].bytes_by_op() == {
+            "reduce_scatter": 2 * q, "all_gather": 2 * q}  # two steps
+
+
+def test_accumulation_trades_bytes_against_gradient_memory(at4):
+    q, m = 4 * PSI * 3 // 4, n03_zero1.MICRO_BATCHES  # one pass over the model at N = 4
+    for r in at4:
+        runs = {(a.engine, a.no_sync): a for a in r["zero1"].accumulation}
+        assert list(runs) == list(n03_zero1.ACCUMULATION)
+        assert runs["zero1", True].log.total_ring_bytes() == 2 * q
+        assert runs["zero2", True].log.total_ring_bytes() == 2 * q
+        assert runs["zero2", False].log.bytes_by_op() == {"reduce_scatter": m * q,
+                                                         "all_gather": q}
+        assert runs["zero1", True].peak_grads == 4 * PSI
+        assert runs["zero2", True].peak_grads == 4 * PSI + PSI  # full grads + the 4Ψ/N shard
+        assert PSI < runs["zero2", False].peak_grads < 4 * PSI
+        assert runs["zero2", False].held["grads"] == PSI
+        for a in runs.values():
+            assert max_diff(a.state, runs["zero1", True].state) <= 1e-5
+            assert a.log.total_wire_bytes() > a.log.total_ring_bytes()  # gloo: rs = all-reduce
+
+
+def test_zero1_wire_bytes_show_gloos_reduce_scatter_as_an_all_reduce(at4):
+    for r in at4:
+        log = r["zero1"].stages[4]["zero1"].log
+        wire, ring = log.wire_bytes_by_op(), log.bytes_by_op()
+        assert 2 <= wire["reduce_scatter"] / ring["reduce_scatter"] < 2.1
+        assert 1 <= wire["all_gather"] / ring["all_gather"] < 1.03

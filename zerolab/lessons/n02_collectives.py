@@ -25,8 +25,8 @@ Ints = list[int | None]  # a tensor of small integers as a list; None: a slot no
 
 
 @dataclass
-class SeedsExample:
-    """One rank's view of `seeds_example`, on 3 ranks (tensors as lists of ints)."""
+class ArticleExample:
+    """One rank's view of `article_example`, on 3 ranks (tensors as lists of ints)."""
 
     input_chunks: list[Ints]  # this rank's input, 3 chunks of 2
     reduce_scatter: Ints  # (2,): chunk r summed over the ranks
@@ -42,7 +42,7 @@ class CollectivesTour:
     """One rank's results of `collectives_tour`."""
 
     rank: int  # global rank, of 4
-    seeds: SeedsExample | None  # ranks 0-2: the 3-rank example; None on rank 3
+    example: ArticleExample | None  # ranks 0-2: the 3-rank example; None on rank 3
     bytes: dict[int, dict[str, CommLog]]  # k -> `bytes_experiment`'s logs in ranks 0..k-1
     timeline: CommLog  # `timeline_experiment` on all 4 ranks
 
@@ -95,8 +95,9 @@ def _ints(t: torch.Tensor) -> Ints:
     return [None if v != v else int(v) for v in t.tolist()]
 
 
-def seeds_example(group: dist.ProcessGroup, device: torch.device) -> SeedsExample:
-    """The seeds' 3-rank example, then all-gather, all-reduce and AR = RS + AG on it.
+def article_example(group: dist.ProcessGroup, device: torch.device) -> ArticleExample:
+    """The 3-rank example of "AI in Multiple GPUs: ZeRO & FSDP" (Towards Data Science), then
+    all-gather, all-reduce and AR = RS + AG on it.
 
     Rank r's input is 3 chunks of 2: chunk j = [(r+1)*1, (r+1)*2] ** (j+1), laid end to end
     (6,). reduce-scatter (sum) gives rank r chunk r summed over the ranks (2,):
@@ -107,16 +108,16 @@ def seeds_example(group: dist.ProcessGroup, device: torch.device) -> SeedsExampl
     x = torch.cat([base ** (j + 1) for j in range(n)])  # (n*2,): n chunks of 2
 
     mine = torch.empty(2, device=device)
-    comm.reduce_scatter(mine, x, tag="lesson02/seeds/reduce_scatter", group=group)
+    comm.reduce_scatter(mine, x, tag="lesson02/example/reduce_scatter", group=group)
 
     gathered = torch.empty(n * 2, device=device)  # everyone's reduce-scatter result, in order
-    comm.all_gather(gathered, mine, tag="lesson02/seeds/all_gather", group=group)
+    comm.all_gather(gathered, mine, tag="lesson02/example/all_gather", group=group)
 
     reduced = x.clone()
-    comm.all_reduce(reduced, tag="lesson02/seeds/all_reduce", group=group)
+    comm.all_reduce(reduced, tag="lesson02/example/all_reduce", group=group)
 
-    ring, snapshots = ring_all_gather(mine, group, tag="lesson02/seeds/ring")
-    return SeedsExample(input_chunks=[_ints(c) for c in x.chunk(n)],
+    ring, snapshots = ring_all_gather(mine, group, tag="lesson02/example/ring")
+    return ArticleExample(input_chunks=[_ints(c) for c in x.chunk(n)],
                         reduce_scatter=_ints(mine), all_gather=_ints(gathered),
                         all_reduce=_ints(reduced),
                         rs_then_ag_equals_ar=torch.equal(gathered, reduced),  # AR = RS + AG
@@ -173,20 +174,20 @@ def timeline_experiment(group: dist.ProcessGroup | None, numel: int, device: tor
     return log
 
 
-def collectives_tour(bytes_numel: int = 12 * 1024, timeline_numel: int = 12 * 2**16
+def collectives_tour(bytes_numel: int = 12 * 1024, timeline_numel: int = 12 * 2**14
                      ) -> CollectivesTour:
     """Everything notebook 02 measures, in one launch of 4 ranks.
 
-    Returns this rank's CollectivesTour: the seeds' example and friends on ranks 0-2 (see
-    `seeds_example`), {k: the logs of `bytes_experiment` in the group of ranks 0..k-1} for
+    Returns this rank's CollectivesTour: the article's example and friends on ranks 0-2 (see
+    `article_example`), {k: the logs of `bytes_experiment` in the group of ranks 0..k-1} for
     the k = 2, 3, 4 this rank belongs to, and the log of `timeline_experiment` on all 4 ranks.
     """
     ctx = zerolab.init_from_env()
     # Group creation is collective: every rank creates every group, in the same order.
     groups = {k: dist.new_group(list(range(k))) for k in (2, 3)}
     groups[ctx.world_size] = None  # the default group: every rank
-    seeds = seeds_example(groups[3], ctx.device) if ctx.rank < 3 else None
+    example = article_example(groups[3], ctx.device) if ctx.rank < 3 else None
     logs = {k: bytes_experiment(group, bytes_numel, ctx.device)
             for k, group in groups.items() if ctx.rank < k}
     timeline = timeline_experiment(None, timeline_numel, ctx.device)
-    return CollectivesTour(rank=ctx.rank, seeds=seeds, bytes=logs, timeline=timeline)
+    return CollectivesTour(rank=ctx.rank, example=example, bytes=logs, timeline=timeline)

@@ -1,10 +1,13 @@
-"""Notebook 03: ZeRO-1 against DDP, and the naive ZeRO-1 that all-reduces.
+"""Notebook 03: ZeRO-1 against DDP, the naive ZeRO-1 that all-reduces, ZeRO-1's schedule and
+ZeRO-1 against ZeRO-2 under gradient accumulation.
 
-`compare_stages` runs on each rank of `zerolab.launch(compare_stages, world_size=4)`. To measure
-at world sizes 1, 2 and 4 in one launch, it splits the 4 ranks into process groups of k
-consecutive ranks (notebook 00): for k = 2 that is two independent 2-rank jobs, {0, 1} and
-{2, 3}, training side by side. Each job sees the same global batch, cut into k slices, so every
-job at every k should end with the same model.
+`zero1_lesson` runs on each rank of `zerolab.launch(zero1_lesson, world_size=4)`: it runs
+`compare_stages`, `overlap` and `accumulation`, sharing one launch. To measure at world sizes
+1, 2 and 4, `compare_stages` splits the 4 ranks into process groups of k consecutive ranks
+(notebook 00): for k = 2 that is two independent 2-rank jobs, {0, 1} and {2, 3}, training side
+by side. Each job sees the same global batch, cut into k slices, so every job at every k should
+end with the same model. `overlap` (the paper's ZeRO-1 schedule against zerolab's overlapped
+one) and `accumulation` (ZeRO-1 against ZeRO-2 over 4 micro-batches) run on all 4 ranks.
 
 Engines are named as in `zerolab.harness.ENGINES` ("ddp", "zero1", "zero1naive"; harness.label
 gives "DDP", "ZeRO-1", "ZeRO-1 naive"), and each step is the harness's.
@@ -12,19 +15,24 @@ gives "DDP", "ZeRO-1", "ZeRO-1 naive"), and each step is the harness's.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import harness, models
+from zerolab import comm, harness, models
 from zerolab.comm import CommLog
 
 COMPARED = ("ddp", "zero1", "zero1naive")  # the engines compared, by their harness names
 GLOBAL_BATCH = 8  # sequences per step over the whole job; divides by 1, 2 and 4
-STEPS = 3
+STEPS = 2  # one plain step (Adam state is born), then the measured one
 LR = 1e-3
+SMALL_BUCKETS = 32 * 1024  # bucket_bytes for `overlap` and `accumulation`: 4 buckets, not 1
+SCHEDULES = ("zero1after", "zero1")  # the paper's schedule, then zerolab's overlapped one
+MICRO_BATCHES = 4
+ACCUMULATION = (("zero1", True), ("zero2", True), ("zero2", False))  # (engine, use no_sync)
 
 
 @dataclass
@@ -79,3 +87,98 @@ def compare_stages(sizes: tuple[int, ...] = (1, 2, 4)) -> dict[int, dict[str, St
         mine = groups[ctx.rank // k]
         out[k] = {name: train(name, mine, ctx.device) for name in COMPARED}
     return out
+
+
+def _model_and_batches(group: dist.ProcessGroup | None, device: torch.device, seeds: range
+                       ) -> tuple[models.GPT, list[list[torch.Tensor]]]:
+    """The tiny GPT and this rank's rows of one global batch per seed."""
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    model = models.GPT(models.GPTConfig(seed=rank)).to(device)
+    batches = [[t.to(device) for t in harness.local_batch(model.make_batch, GLOBAL_BATCH,
+                                                          seed=s, rank=rank, world_size=n)]
+               for s in seeds]
+    return model, batches
+
+
+@dataclass
+class ScheduleRun:
+    """Two consecutive steps of one ZeRO-1 schedule, recorded in one log (after a warm-up)."""
+
+    engine: str  # "zero1after" (the paper's) or "zero1" (gather overlapping the next forward)
+    log: CommLog  # both steps: spans forward, backward, step, twice; every collective
+    buckets: int  # buckets (4 with SMALL_BUCKETS): one reduce-scatter and one gather each
+
+
+def overlap(engine_name: str, group: dist.ProcessGroup | None, device: torch.device
+            ) -> ScheduleRun:
+    """One warm-up step, then two steps in one log: with "zero1", the gathers issued at the end
+    of the first step() are waited for inside the second forward, so both steps are needed."""
+    model, batches = _model_and_batches(group, device, range(3))
+    engine = harness.make_engine(engine_name, model, group=group, lr=LR,
+                                 bucket_bytes=SMALL_BUCKETS)
+    harness.train_step(engine, *batches[0])
+    engine.wait_params()
+    with zerolab.record_comm(group) as log:
+        for x, y in batches[1:]:
+            harness.train_step(engine, x, y)
+        engine.wait_params()  # the last step's gathers: every byte of both steps in the log
+    return ScheduleRun(engine_name, log, len(engine.buckets))
+
+
+@dataclass
+class AccumulationRun:
+    """One optimizer step over MICRO_BATCHES micro-batches, measured on one rank."""
+
+    engine: str  # "zero1" or "zero2"
+    no_sync: bool  # True: reduce once, after the last micro-batch; False: after every one
+    log: CommLog  # every collective of the step (4 forwards and backwards, then step())
+    peak_grads: int  # the most bytes of gradients alive at once (track_memory's "grads")
+    held: dict[str, int]  # model-state bytes after step()
+    state: dict[str, torch.Tensor]  # full_state_dict() after the step (CPU)
+
+
+def accumulation_step(engine, micro_batches: list[list[torch.Tensor]], no_sync: bool) -> None:
+    """Gradient accumulation: forward and backward on each micro-batch (loss scaled by
+    1/micro-batches, so that the gradients add up to the mean), then one optimizer step.
+    no_sync: every backward but the last communicates nothing (engine.no_sync())."""
+    for i, (x, y) in enumerate(micro_batches):
+        quiet = no_sync and i < len(micro_batches) - 1
+        with engine.no_sync() if quiet else contextlib.nullcontext():
+            with comm.span("forward"):
+                loss = engine.module.loss(engine(x), y) / len(micro_batches)
+            with comm.span("backward"):
+                loss.backward()
+    with comm.span("step"):
+        engine.step()
+    engine.wait_params()
+
+
+def accumulation(engine_name: str, no_sync: bool, group: dist.ProcessGroup | None,
+                 device: torch.device) -> AccumulationRun:
+    """MICRO_BATCHES micro-batches (each a global batch of GLOBAL_BATCH) and one step, under
+    the comm recorder and the memory tracker."""
+    model, micro = _model_and_batches(group, device, range(100, 100 + MICRO_BATCHES))
+    engine = harness.make_engine(engine_name, model, group=group, lr=LR,
+                                 bucket_bytes=SMALL_BUCKETS)
+    with zerolab.record_comm(group) as log, zerolab.track_memory(engine.state_tensors) as mem:
+        accumulation_step(engine, micro, no_sync)
+    held = engine.model_state_bytes()
+    return AccumulationRun(engine_name, no_sync, log, mem.max_by_category.get("grads", 0), held,
+                           {k: v.cpu() for k, v in engine.full_state_dict().items()})
+
+
+@dataclass
+class Zero1Lesson:
+    """Everything notebook 03 measures, on one rank of a 4-rank launch."""
+
+    stages: dict[int, dict[str, StageRun]]  # compare_stages()
+    schedules: dict[str, ScheduleRun]  # {engine name: overlap(...)} on all 4 ranks
+    accumulation: list[AccumulationRun]  # one per ACCUMULATION entry, on all 4 ranks
+
+
+def zero1_lesson() -> Zero1Lesson:
+    """compare_stages, then both ZeRO-1 schedules and the accumulation runs on every rank."""
+    stages = compare_stages()
+    device = zerolab.init_from_env().device
+    return Zero1Lesson(stages, {name: overlap(name, None, device) for name in SCHEDULES},
+                       [accumulation(name, quiet, None, device) for name, quiet in ACCUMULATION])
