@@ -8,6 +8,7 @@ lesson (the combined worker below; spawned ranks import it from this module).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -111,6 +112,75 @@ def test_zero2_sends_2psi_and_phases_are_on_the_trace_clock(at2):
         assert 0 <= starts_ends[0] and starts_ends[-1] <= last_sample + 0.05
 
 
+def test_zero2_hooked_holds_about_two_buckets_of_full_gradient(at2):
+    for r in at2:
+        run = r["n04"].runs["zero2"]
+        largest = max(run.bucket_bytes)
+        peak = run.step.memory.max_by_category
+        assert 0 < peak["comm"] <= largest  # one flattened bucket in flight at a time
+        assert peak["grads"] + peak["comm"] <= run.grad_shard_bytes + 2 * largest
+
+
+def test_zero2_buckets_close_once_they_reach_bucket_bytes(at2):
+    run = at2[0]["n04"].runs["zero2"]
+    assert [sum(sizes) for sizes in run.param_bytes] == run.bucket_bytes  # no padding at N=2
+    for sizes in run.param_bytes:
+        assert sum(sizes[:-1]) < BUCKET_BYTES  # still open when its last parameter came
+    assert all(b >= BUCKET_BYTES for b in run.bucket_bytes[:-1])  # closed: reached the cap
+    assert max(run.bucket_bytes) > BUCKET_BYTES  # a soft cap
+
+
+def test_zero2_wire_bytes_are_what_gloo_ran(at2):
+    for r in at2:
+        for key in NAMES04:
+            log = r["n04"].runs[key].step.log
+            ring, wire = log.bytes_by_op(), log.wire_bytes_by_op()
+            impl = {e.op: e.impl for e in log.events}
+            assert "as all_reduce" in impl["reduce_scatter"]
+            assert f"as {N} broadcasts" in impl["all_gather"]
+            n_events = len(log.events) // 2  # one reduce-scatter, one all-gather per bucket
+            assert_wire(wire["reduce_scatter"], 2 * ring["reduce_scatter"], n_events)
+            assert_wire(wire["all_gather"], ring["all_gather"], n_events)
+            assert 3 * ring["all_gather"] <= log.total_wire_bytes()
+
+
+def assert_wire(wire: int, expected: int, n_events: int) -> None:
+    """Measured bytes: `expected` plus message headers (under 1 KiB per call). Overlapping calls
+    share their bytes out in proportion, so a per-op figure may also fall a little short."""
+    assert expected * 0.98 <= wire <= expected + 1024 * n_events
+
+
+def test_zero2_accumulation_reduces_every_micro_batch_and_adds_up(at2):
+    for r in at2:
+        n_buckets = len(r["n04"].runs["zero2"].bucket_bytes)
+        acc = r["n04"].accumulation
+        assert acc.reduce_scatters == [n_buckets, 2 * n_buckets]
+        assert acc.max_diff < 1e-6
+
+
+def test_zero2_prefetch_finishes_the_gathers_in_the_next_forward(at2):
+    for r in at2:
+        n_buckets = len(r["n04"].runs["zero2"].bucket_bytes)
+        steps = r["n04"].two_steps
+        assert [s.name for s in steps[True].spans] == ["forward", "backward", "step"] * 2
+        assert n04_zero2.gathers_finished_in(steps[False], "step") == n_buckets
+        assert n04_zero2.gathers_finished_in(steps[False], "forward") == 0
+        assert n04_zero2.gathers_finished_in(steps[True], "step") == 0
+        assert n04_zero2.gathers_finished_in(steps[True], "forward") == n_buckets
+
+
+def test_gathers_finished_in_counts_the_first_steps_gathers_by_span():
+    def gather(start, end):
+        return CommEvent("all_gather", "zero2/step/b", 8, 4, start=start, end=end)
+
+    log = CommLog(rank=0, world_size=2, events=[gather(1.0, 2.5), gather(1.1, 1.5),
+                                                 gather(5.0, 5.5), gather(5.1, 9.0)],
+                  spans=[Span("step", 1.0, 1.6), Span("forward", 2.0, 3.0),
+                         Span("step", 5.0, 5.2)])
+    assert n04_zero2.gathers_finished_in(log, "step") == 1
+    assert n04_zero2.gathers_finished_in(log, "forward") == 1
+
+
 # ---- 05: ZeRO-3 ---------------------------------------------------------------------------------
 
 def test_zero3_at_rest_is_16psi_over_n_plus_step_counters(at2):
@@ -161,6 +231,39 @@ def test_zero3_prefetch_issues_gathers_ahead_and_overlaps_compute(at2):
         window = n05_zero3.forward_window(on.timeline)
         assert len(window.spans) == GPT05.n_layer  # one compute span per block
         assert all("/fwd/" in e.tag for e in window.events) and window.events
+
+
+def test_zero3_working_set_does_not_grow_with_depth(at2):
+    for r in at2:
+        r05 = r["n05"]
+        off = r05.no_prefetch
+        root = off.unit_bytes["root"]
+        block = max(b for name, b in off.unit_bytes.items() if name != "root")
+        assert [d.n_layer for d in r05.depths] == sorted((*n05_zero3.DEPTHS, GPT05.n_layer))
+        for d in r05.depths:
+            config = dataclasses.replace(GPT05, n_layer=d.n_layer)
+            assert d.full_param_bytes == 4 * psi(config)
+            assert d.shard_bytes * N >= d.full_param_bytes  # 4Ψ/N, + padding
+            assert d.peak_param_bytes - d.shard_bytes == root + 2 * block
+        ratios = [d.peak_param_bytes / d.full_param_bytes for d in r05.depths]
+        assert ratios == sorted(ratios, reverse=True) and ratios[0] > 1 > ratios[-1]
+        assert r05.cpu_cores >= 1 and r05.compute_threads >= 1
+
+
+def test_zero3_and_zero2_wire_bytes_are_ring_times_what_gloo_ran(at2):
+    for r in at2:
+        r05 = r["n05"]
+        for log in (r05.no_prefetch.step.log, r05.zero2_log):
+            ring = log.bytes_by_op()
+            gloo = ring["all_gather"] + 2 * ring["reduce_scatter"]  # N broadcasts; an all-reduce
+            assert gloo <= log.total_wire_bytes() <= gloo + 1024 * len(log.events)  # headers
+
+
+def test_block_compute_ms_is_the_median_forward_span():
+    log = CommLog(rank=0, world_size=2, spans=[
+        Span("forward", 0.0, 0.002), Span("forward", 0.01, 0.014), Span("forward", 0.02, 0.03),
+        Span("backward", 0.03, 1.0)])
+    assert n05_zero3.block_compute_ms(log) == pytest.approx(4.0)
 
 
 # ---- 06: FSDP2 and ZeroRedundancyOptimizer -----------------------------------------------------

@@ -5,7 +5,10 @@
 - trains a small GPT with ZeRO-3, prefetch on and then off; for each, one step under the memory
   tracker (live bytes by category: the parameter sawtooth) and one step with the comm recorder
   only (a timeline not slowed down by the tracker, with a "forward" span per block);
-- trains the same model with ZeRO-2 for one step, to compare the bytes sent: 3Ψ against 2Ψ.
+- trains the same model with ZeRO-2 for one step, to compare the bytes sent: 3Ψ against 2Ψ;
+- trains the same GPT at other depths (DEPTHS blocks) with ZeRO-3 and prefetch, one tracked
+  step each: the parameter peak against the model's size, as the model gets deeper;
+- notes how many CPU cores and compute threads each rank had, for the timings.
 
 Every step is `harness.measured_step`. It returns a `Zero3Lesson` (`MemoryTrace`s and
 `CommLog`s inside); the notebook draws it with `zerolab.plots`.
@@ -14,6 +17,8 @@ Every step is `harness.measured_step`. It returns a `Zero3Lesson` (`MemoryTrace`
 from __future__ import annotations
 
 import dataclasses
+import os
+import statistics
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,12 +31,23 @@ from zerolab.harness import MeasuredStep
 from zerolab.models import GPT, GPTConfig, num_params
 
 # 8 blocks of hidden size 64: 405,120 parameters (1.62 MB in fp32). One block is 199,936 bytes,
-# an eighth of the model: at 2 ranks the shards (half the model) plus a block or two in flight
-# stay well below the full model.
+# an eighth of the model: at 2 ranks the shards (half the model) plus the root and two blocks in
+# flight (prefetch) peak at 76% of the full model; with fewer blocks it would be more.
 MODEL = GPTConfig(n_layer=8, n_embd=64, n_head=4)
 LR = 1e-3
 BATCH_PER_RANK = 2  # sequences per rank in the tracked step
 TIMELINE_BATCH_PER_RANK = 32  # sequences per rank in the step drawn on the timeline
+DEPTHS = (2, 4)  # other numbers of blocks whose parameter peak is measured (8: MODEL's)
+
+
+@dataclass
+class DepthPeak:
+    """ZeRO-3 with prefetch on a GPT of `n_layer` blocks: its parameter bytes, one rank."""
+
+    n_layer: int
+    full_param_bytes: int  # 4Ψ: the whole model
+    shard_bytes: int  # 4Ψ/N (+ padding): this rank's shards, held at rest
+    peak_param_bytes: int  # the largest parameter bytes alive during one tracked step
 
 
 @dataclass
@@ -55,6 +71,9 @@ class Zero3Lesson:
     no_prefetch: Zero3Run  # the same, each unit gathered only when it is needed
     zero2_log: CommLog  # ZeRO-2's comm log for one step of the same model: its 2Ψ
     same_weights: bool  # prefetch on and off ended with bitwise equal weights
+    depths: list[DepthPeak]  # MODEL's depth and DEPTHS, by number of blocks
+    cpu_cores: int  # cores this machine has (os.cpu_count()): the ranks share them
+    compute_threads: int  # threads each rank's torch uses for compute (torch.get_num_threads())
 
 
 def batch(model: GPT, step: int, per_rank: int = BATCH_PER_RANK) -> tuple[torch.Tensor, ...]:
@@ -70,9 +89,16 @@ def trained_one_step(name: str, model: GPT, **kwargs: Any) -> Any:
     return engine
 
 
-def zero3_run(prefetch: bool, config: GPTConfig = MODEL
+def depth_peak(run: Zero3Run, n_layer: int) -> DepthPeak:
+    """The parameter sizes and peak of a Zero3Run of a GPT with n_layer blocks."""
+    return DepthPeak(n_layer, run.full_param_bytes, run.shard_bytes,
+                     run.step.memory.max_by_category["params"])
+
+
+def zero3_run(prefetch: bool, config: GPTConfig = MODEL, timeline: bool = True
               ) -> tuple[Zero3Run, dict[str, torch.Tensor]]:
-    """ZeRO-3 on this rank: warm-up, a tracked step, a timeline step. Also the final weights."""
+    """ZeRO-3 on this rank: warm-up, a tracked step, a timeline step (timeline=False: none,
+    the tracked step's log stands in). Also the final weights."""
     model = GPT(config)
     full_param_bytes = 4 * num_params(model)  # before sharding: afterwards .data are empty
     engine = trained_one_step("zero3", model, prefetch=prefetch)
@@ -80,9 +106,10 @@ def zero3_run(prefetch: bool, config: GPTConfig = MODEL
     # A bigger batch for the timeline, so that a block computes about as long as it gathers.
     # Spans per block, not one for the forward: they show where compute waits for a gather.
     x, y = batch(model, 2, per_rank=TIMELINE_BATCH_PER_RANK)
-    timeline = harness.measured_step(engine, x, y, memory=False, forward_spans=model.blocks)
+    timed = harness.measured_step(engine, x, y, memory=False, forward_spans=model.blocks
+                                  ).log if timeline else tracked.log
     buckets = [b for u in engine.units for b in u.buckets]  # a flat bucket per unit, root last
-    run = Zero3Run(tracked, timeline.log,
+    run = Zero3Run(tracked, timed,
                    unit_bytes={u.name: sum(4 * b.layout.padded_numel for b in u.buckets)
                                for u in engine.units},
                    shard_bytes=sum(4 * b.local_shard.numel() for b in buckets),
@@ -102,9 +129,13 @@ def zero3_lesson(config: GPTConfig = MODEL) -> Zero3Lesson:
     """Everything notebook 05 measures, on this rank (see the module docstring)."""
     with_prefetch, weights_on = zero3_run(True, config)
     without, weights_off = zero3_run(False, config)
+    depths = [depth_peak(zero3_run(True, dataclasses.replace(config, n_layer=n), False)[0], n)
+              for n in DEPTHS] + [depth_peak(with_prefetch, config.n_layer)]
     return Zero3Lesson(num_params=num_params(GPT(config)), prefetch=with_prefetch,
                        no_prefetch=without, zero2_log=zero2_log(config),
-                       same_weights=harness.max_diff(weights_on, weights_off) == 0.0)
+                       same_weights=harness.max_diff(weights_on, weights_off) == 0.0,
+                       depths=sorted(depths, key=lambda d: d.n_layer),
+                       cpu_cores=os.cpu_count() or 1, compute_threads=torch.get_num_threads())
 
 
 def gathers_by_phase(log: CommLog) -> dict[str, list[str]]:
@@ -161,3 +192,9 @@ def overlapped_gathers(log: CommLog) -> int:
     return sum(1 for k in range(1, len(blocks))
                if (g := gathers.get(f"blocks.{k}")) is not None and g.end is not None
                and g.start <= blocks[k - 1].start and g.end >= blocks[k - 1].end)
+
+
+def block_compute_ms(log: CommLog) -> float:
+    """The median time one block took to compute in forward, in ms (from the per-block
+    "forward" spans of `measured_step(..., forward_spans=model.blocks)`)."""
+    return 1e3 * statistics.median(s.end - s.start for s in log.spans if s.name == "forward")
