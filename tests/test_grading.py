@@ -308,7 +308,7 @@ def test_report_reads_well(wrong_reports):
     text = repr(wrong_reports["v1"])
     assert text.splitlines()[0].startswith("Grading ")
     assert "2.1  ex02_collectives.ring_reduce_scatter   WRONG" in text
-    assert "on 2 ranks, rank 0, case 'the seeds' example" in text
+    assert "on 2 ranks, rank 0, case 'the article's example" in text
     assert "output 'result': shape (2,) as expected, max error" in text
     assert "looks like: a sum, not the mean (N times too big)" in text
     assert 'more hints: hint("2.3")' in text

@@ -13,8 +13,8 @@ exercise is wrong). NAME is a file (ex03, ex03_zero1), an exercise id (3.1) or a
 every hint of an exercise.
 
 How an exercise is graded: the learner's function and the solution run on the same inputs
-(several cases: uneven sizes, sizes smaller than the world size, the seeds' examples) and
-their outputs are compared, then the arguments the contract says to leave unchanged. A
+(several cases: uneven sizes, sizes smaller than the world size, the source article's examples)
+and their outputs are compared, then the arguments the contract says to leave unchanged. A
 distributed exercise runs on ranks spawned by zerolab.launch, on 1, 2 and 3 ranks, one launch
 per world size for all the distributed exercises being graded; each rank compares its own
 outputs, and also which zerolab.comm collectives were called and the bytes they sent. Plain

@@ -26,11 +26,12 @@ from zerolab.grading.mistakes import (
 
 
 def _cases_2_1(n: int) -> list[Case]:
-    def seeds(rank: int) -> tuple:
+    def article(rank: int) -> tuple:
         base = torch.tensor([1.0, 2.0]) * (rank + 1)
         return (torch.cat([base ** (j + 1) for j in range(n)]),)
 
-    cases = [Case("the seeds' example: chunk j of rank r is [(r+1)*1, (r+1)*2] ** (j+1)", seeds)]
+    cases = [Case("the article's example: chunk j of rank r is [(r+1)*1, (r+1)*2] ** (j+1)",
+                  article)]
     for k in (1, 3):
         cases.append(Case(f"random integers, {n} chunks of {k}",
                           lambda rank, k=k: (_ints(_gen("2.1", k, rank), n * k),)))

@@ -4,6 +4,7 @@ grade plain exercises here and distributed ones on ranks, and gather one Report.
 
 from __future__ import annotations
 
+import ast
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ from zerolab.grading.defaults import (
     SOLUTIONS_DIR,
 )
 from zerolab.grading.exercise import Exercise
+from zerolab.grading.generate import exercise_source
 from zerolab.grading.registry import EXERCISES, select
 from zerolab.grading.report import Report, Result, _shown
 from zerolab.grading.runner import _grade_distributed, _grade_plain, _Task
@@ -82,6 +84,9 @@ def _grade_items(items: list[tuple[str, Exercise, Path]], timeout: float,
         elif not hasattr(module, ex.function):
             results[key] = Result(ex, "not attempted",
                                   message=f"no function {ex.function} in {learner_file.name}")
+        elif ex.distributed and _untouched(ex, learner_file, solution_file):
+            # The stub as generated: "not attempted" without starting ranks for it.
+            results[key] = Result(ex, "not attempted")
         elif ex.distributed:
             tasks.append(_Task(key, ex, str(learner_file.resolve()),
                                str(solution_file.resolve())))
@@ -95,6 +100,21 @@ def _grade_items(items: list[tuple[str, Exercise, Path]], timeout: float,
     for task in tasks:
         results[task.key] = wrong.get(task.key, Result(task.exercise, "passed"))
     return results
+
+
+def _untouched(ex: Exercise, learner_file: Path, solution_file: Path) -> bool:
+    """The learner's function (or engine class) is the stub exactly as generated from the
+    solution (comments and blank lines aside)."""
+    def definition(source: str) -> str | None:
+        return next((ast.dump(n) for n in ast.parse(source).body
+                     if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name == ex.function),
+                    None)
+
+    try:
+        stub = definition(exercise_source(solution_file.read_text()))
+        return stub is not None and stub == definition(learner_file.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return False
 
 
 def _import_learner(ex: Exercise, learner_file: Path) -> ModuleType | Result:
