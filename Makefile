@@ -13,10 +13,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
-# Two test files at a time (pytest-xdist; a notebook's cells stay together in one worker): the
-# tests spend much of their time waiting for ranks to start and meet, and a second file fills
-# that time. PYTEST_WORKERS= runs them one at a time.
-PYTEST_WORKERS ?= -n 2 --dist loadfile
 LAB_ARGS ?=
 # JupyterLab refuses to start as root ("Running as root is not recommended. Use --allow-root to
 # bypass."), and root is who runs a Docker container or a cloud notebook box: allow it there.
@@ -37,7 +33,7 @@ lab: $(VENV)/.installed
 	$(PY) -m jupyterlab $(ALLOW_ROOT) --ServerApp.root_dir=. $(LAB_ARGS) notebooks/00_launch.ipynb
 
 test: $(VENV)/.installed
-	$(PY) -m pytest tests notebooks --nbval $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest tests notebooks --nbval $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check zerolab tests solutions exercises
