@@ -70,10 +70,18 @@ def _methods(path: Path) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
 
 
+@pytest.fixture(scope="module")
+def stubs(tmp_path_factory) -> Path:
+    """Freshly generated stubs: the repository's exercises/ may hold a learner's answers."""
+    folder = tmp_path_factory.mktemp("stubs")
+    grading.make_exercises(exercises_dir=folder)
+    return folder
+
+
 @pytest.mark.parametrize("ex_id", ENGINES)
-def test_first_hint_is_the_stubs_own_hints_by_method(ex_id):
+def test_first_hint_is_the_stubs_own_hints_by_method(ex_id, stubs):
     """hint("1.3") starts where the stub does: each method's "Hint:" paragraph, named."""
-    methods = _methods(REPO / "exercises" / f"{ENGINES[ex_id]}.py")
+    methods = _methods(stubs / f"{ENGINES[ex_id]}.py")
     hinted = {name: " ".join(ast.get_docstring(node).split("Hint:")[1].split("\n\n")[0].split())
               for name, node in methods.items() if "Hint:" in (ast.get_docstring(node) or "")}
     assert hinted, "the stub has hints"
@@ -83,9 +91,9 @@ def test_first_hint_is_the_stubs_own_hints_by_method(ex_id):
 
 
 @pytest.mark.parametrize("ex_id", ENGINES)
-def test_stubs_state_the_contract_and_raise_the_exercise(ex_id):
+def test_stubs_state_the_contract_and_raise_the_exercise(ex_id, stubs):
     module = ENGINES[ex_id]
-    solution, stub = REPO / "solutions" / f"{module}.py", REPO / "exercises" / f"{module}.py"
+    solution, stub = REPO / "solutions" / f"{module}.py", stubs / f"{module}.py"
     assert stub.read_text() == grading.exercise_source(solution.read_text())
     assert len(solution.read_text().splitlines()) < 250
     [cls] = [n for n in ast.parse(stub.read_text()).body if isinstance(n, ast.ClassDef)]
@@ -105,6 +113,27 @@ def test_stubs_state_the_contract_and_raise_the_exercise(ex_id):
         if name != "__call__":  # given: the model's forward (the hooks do the work)
             [raise_] = raises
             assert raise_.exc.args[0].value.startswith(f"Exercise {ex_id}: ")
+
+
+def test_an_engine_solved_is_not_drift_but_a_changed_signature_is(tmp_path):
+    """The bodies of an engine's exercise methods are the learner's, and so are methods they
+    add; the class's docstring and the methods' signatures and docstrings are the course's."""
+    folder = tmp_path / "exercises"
+    grading.make_exercises(exercises_dir=folder)
+    for module in ENGINES.values():
+        (folder / f"{module}.py").write_text((REPO / "solutions" / f"{module}.py").read_text())
+    assert grading.check_exercises(exercises_dir=folder) == []
+    path = folder / "ex04_zero2_engine.py"
+    solved = path.read_text()
+    mine = "    def _mine(self):\n        return 1\n\n    def zero_grad(self)"
+    path.write_text(solved.replace("    def zero_grad(self)", mine))
+    assert grading.check_exercises(exercises_dir=folder) == []
+    path.write_text(solved.replace("def zero_grad(self)", "def zero_grad(self, set_to_none=True)"))
+    [problem] = grading.check_exercises(exercises_dir=folder)
+    assert "the signature or docstring of ZeRO2Engine.zero_grad() differs" in problem
+    path.write_text(solved.replace("ZeRO-2: shard the", "ZeRO-2: split the"))
+    [problem] = grading.check_exercises(exercises_dir=folder)
+    assert "`class ZeRO2Engine:` differs" in problem
 
 
 def test_the_model_has_what_catches_mistakes():
@@ -182,7 +211,7 @@ def test_engines_laid_out_otherwise_pass():
     assert [r.status for r in report.results] == ["passed"] * 3, str(report)
 
 
-def test_untouched_stubs_are_not_attempted_without_starting_ranks(monkeypatch):
+def test_untouched_stubs_are_not_attempted_without_starting_ranks(monkeypatch, stubs):
     from zerolab.grading import grader
 
     def no_ranks(tasks, world_sizes, timeout):
@@ -190,7 +219,7 @@ def test_untouched_stubs_are_not_attempted_without_starting_ranks(monkeypatch):
         return {}
 
     monkeypatch.setattr(grader, "_grade_distributed", no_ranks)
-    report = _grade(REPO / "exercises", world_sizes=(1,))
+    report = _grade(stubs, world_sizes=(1,))
     assert [r.status for r in report.results] == ["not attempted"] * 3, str(report)
 
 
