@@ -5,19 +5,22 @@
   shards), and the verdict's diagnoses work on made-up evidence (no ranks needed);
 - on ranks: the solutions pass, correct engines laid out differently pass, the untouched
   stubs are "not attempted", a method left unwritten is reported, and every wrong engine in
-  tests/grading_wrong_engines/ is caught where it shows, naming its kind of mistake.
+  tests/grading_wrong_engines/ (diffs against solutions/, see its README) is caught where it
+  shows, naming its kind of mistake.
 
 Grading trains small models on up to 3 ranks: the tests give each case a generous timeout, so
 that a loaded machine makes them slow, not wrong.
 """
 
 import ast
+import re
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
+from patches import apply_diff
 
 from zerolab import grading
 from zerolab.grading import engine_model, engine_verdict
@@ -25,7 +28,7 @@ from zerolab.grading.check import _load_module
 from zerolab.grading.engine_check import Measure
 
 REPO = Path(__file__).resolve().parent.parent
-WRONG = REPO / "tests" / "grading_wrong_engines"
+DIFFS = REPO / "tests" / "grading_wrong_engines"  # <folder>/<module>.diff against solutions/
 ENGINES = {"1.3": "ex01_ddp_engine", "4.2": "ex04_zero2_engine", "5.3": "ex05_zero3_engine"}
 TIMEOUT = 240.0  # seconds per case: a loaded machine is slow, not wrong
 
@@ -68,6 +71,24 @@ def test_engine_exercises_are_registered(capsys):
 def _methods(path: Path) -> dict[str, ast.FunctionDef]:
     [cls] = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)]
     return {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+
+
+@pytest.fixture(scope="module")
+def wrong(tmp_path_factory) -> Path:
+    """Learners' exercises/ folders, one per folder of diffs: each solution with its diff."""
+    root = tmp_path_factory.mktemp("wrong")
+    for diff in sorted(DIFFS.glob("*/*.diff")):
+        solution = (REPO / "solutions" / f"{diff.stem}.py").read_text()
+        (root / diff.parent.name).mkdir(exist_ok=True)
+        (root / diff.parent.name / f"{diff.stem}.py").write_text(
+            apply_diff(solution, diff.read_text()))
+    return root
+
+
+def test_a_diff_that_no_longer_fits_its_solution_is_refused():
+    diff = (DIFFS / "v1" / "ex01_ddp_engine.diff").read_text()
+    with pytest.raises(ValueError, match="appear 0 times, not once"):
+        apply_diff("nothing of the solution\n", diff)
 
 
 @pytest.fixture(scope="module")
@@ -204,10 +225,10 @@ def test_solutions_pass(record_property):
     assert [r.status for r in report.results] == ["passed"] * 3, str(report)
 
 
-def test_engines_laid_out_otherwise_pass():
+def test_engines_laid_out_otherwise_pass(wrong):
     """Other buckets (13 instead of zerolab's 8, so other padding and summation order),
     gathers in flight together, a unit gathered ahead: the contract allows them."""
-    report = _grade(WRONG / "right_other_layout", world_sizes=(3,))
+    report = _grade(wrong / "right_other_layout", world_sizes=(3,))
     assert [r.status for r in report.results] == ["passed"] * 3, str(report)
 
 
@@ -237,7 +258,7 @@ def test_a_method_left_unwritten_is_reported(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def wrong_reports() -> dict[str, grading.Report]:
+def wrong_reports(wrong) -> dict[str, grading.Report]:
     """Each folder's wrong engines, on 1 rank, then 2, ... up to the largest world size where
     one of them shows (the grader stops at the first world size that finds an engine wrong, so
     more ranks would not change these results, only make the suite slower)."""
@@ -245,15 +266,16 @@ def wrong_reports() -> dict[str, grading.Report]:
     for variant in sorted({v for v, _ in CAUGHT}):
         ids = [i for v, i in sorted(CAUGHT) if v == variant]
         top = max(CAUGHT[variant, i][0] for i in ids)
-        reports[variant] = grading.grade(ids, path=WRONG / variant, timeout=TIMEOUT,
+        reports[variant] = grading.grade(ids, path=wrong / variant, timeout=TIMEOUT,
                                          world_sizes=tuple(range(1, top + 1)))
     return reports
 
 
 @pytest.mark.parametrize("variant,ex_id", sorted(CAUGHT))
-def test_wrong_engines_are_caught(wrong_reports, variant, ex_id):
+def test_wrong_engines_are_caught(wrong, wrong_reports, variant, ex_id):
     world_size, output, mistake = CAUGHT[variant, ex_id]
-    assert "# BUG:" in (WRONG / variant / f"{ENGINES[ex_id]}.py").read_text()
+    # the diff adds the bug, marked where it is
+    assert re.search(r"^\+.*# BUG:", (DIFFS / variant / f"{ENGINES[ex_id]}.diff").read_text(), re.M)
     result = wrong_reports[variant][ex_id]
     assert result.status == "wrong" and not result.timed_out, str(result)
     assert (result.world_size, result.output, result.mistake) == (world_size, output, mistake), \
