@@ -9,6 +9,8 @@ appear exactly once in the text; line numbers are not used.
 from __future__ import annotations
 
 import re
+import shutil
+from pathlib import Path
 
 
 def apply_diff(text: str, diff: str) -> str:
@@ -27,3 +29,19 @@ def apply_diff(text: str, diff: str) -> str:
                              f"{before}")
         text = text.replace(before, "".join(new))
     return text
+
+
+def build_folder(source: Path, dest: Path, solutions: Path) -> Path:
+    """A copy of `source`'s folders at `dest`, each `<module>.diff` in them replaced by
+    `<module>.py`: solutions/<module>.py with the diff applied. Other files are copied."""
+    for path in sorted(source.rglob("*")):
+        if path.is_dir() or path.suffix == ".md":
+            continue
+        target = dest / path.relative_to(source)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if path.suffix == ".diff":
+            solution = (solutions / f"{path.stem}.py").read_text()
+            target.with_suffix(".py").write_text(apply_diff(solution, path.read_text()))
+        else:
+            shutil.copyfile(path, target)
+    return dest

@@ -25,7 +25,6 @@ from zerolab import grading
 from zerolab.grading import check, runner
 
 REPO = Path(__file__).resolve().parent.parent
-WRONG = REPO / "tests" / "grading_wrong"
 # The function exercises of notebooks 01-07 (engine exercises, and notebook 08's, are tested
 # by their own tests): the ones with contracts, known mistakes and wrong variants here.
 FUNCTIONS = [i for i, ex in grading.EXERCISES.items()
@@ -236,13 +235,13 @@ def test_generator_marks():
                                 '    pass\n    # END SOLUTION\n')
 
 
-def test_every_exercise_has_two_wrong_variants_on_disk():
+def test_every_exercise_has_two_wrong_variants_on_disk(wrong_answers):
     for exercise_id in FUNCTIONS:
         ex = grading.EXERCISES[exercise_id]
         variants = [v for (v, i) in CAUGHT if i == exercise_id]
         assert len(variants) >= 2, exercise_id
         for v in variants:
-            assert "# BUG" in (WRONG / v / f"{ex.module}.py").read_text()
+            assert "# BUG" in (wrong_answers / v / f"{ex.module}.py").read_text()
 
 
 # ---- your exercises/ ----------------------------------------------------------------------------
@@ -278,8 +277,8 @@ def test_untouched_stubs_are_not_attempted(stubs):
 
 
 @pytest.fixture(scope="module")
-def wrong_reports() -> dict[str, grading.Report]:
-    return {v: grading.grade(FUNCTIONS, path=WRONG / v) for v in ("v1", "v2", "v4")}
+def wrong_reports(wrong_answers) -> dict[str, grading.Report]:
+    return {v: grading.grade(FUNCTIONS, path=wrong_answers / v) for v in ("v1", "v2", "v4")}
 
 
 @pytest.mark.parametrize("variant,exercise_id", sorted(k for k in CAUGHT if k[0] != "v3"))
@@ -337,9 +336,9 @@ def test_comm_bugs_crash_on_one_rank_and_exit_status():
         assert text not in out, out
 
 
-def test_a_hang_is_stopped_at_the_timeout():
+def test_a_hang_is_stopped_at_the_timeout(wrong_answers):
     timeout, start = 3.0, time.perf_counter()
-    report = grading.grade(["2.2", "7.2"], path=WRONG / "hang", timeout=timeout,
+    report = grading.grade(["2.2", "7.2"], path=wrong_answers / "hang", timeout=timeout,
                            world_sizes=(2,))
     elapsed = time.perf_counter() - start
     ring, loop = report["2.2"], report["7.2"]
@@ -469,7 +468,8 @@ def test_a_solved_copy_is_green_but_for_a_wrong_answer(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for folder in ("zerolab", "solutions", "exercises", "tests/grading_wrong"):
         shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
-    for file in ("pyproject.toml", "tests/test_grading.py", "tests/mutation.py"):
+    for file in ("pyproject.toml", "tests/test_grading.py", "tests/mutation.py",
+                 "tests/conftest.py", "tests/patches.py"):
         shutil.copy(REPO / file, copy / file)
     grading.make_exercises(copy / "solutions", copy / "exercises")
     for module in {grading.EXERCISES[i].module for i in FUNCTIONS}:

@@ -73,18 +73,6 @@ def _methods(path: Path) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
 
 
-@pytest.fixture(scope="module")
-def wrong(tmp_path_factory) -> Path:
-    """Learners' exercises/ folders, one per folder of diffs: each solution with its diff."""
-    root = tmp_path_factory.mktemp("wrong")
-    for diff in sorted(DIFFS.glob("*/*.diff")):
-        solution = (REPO / "solutions" / f"{diff.stem}.py").read_text()
-        (root / diff.parent.name).mkdir(exist_ok=True)
-        (root / diff.parent.name / f"{diff.stem}.py").write_text(
-            apply_diff(solution, diff.read_text()))
-    return root
-
-
 def test_a_diff_that_no_longer_fits_its_solution_is_refused():
     diff = (DIFFS / "v1" / "ex01_ddp_engine.diff").read_text()
     with pytest.raises(ValueError, match="appear 0 times, not once"):
@@ -225,10 +213,10 @@ def test_solutions_pass(record_property):
     assert [r.status for r in report.results] == ["passed"] * 3, str(report)
 
 
-def test_engines_laid_out_otherwise_pass(wrong):
+def test_engines_laid_out_otherwise_pass(wrong_engines):
     """Other buckets (13 instead of zerolab's 8, so other padding and summation order),
     gathers in flight together, a unit gathered ahead: the contract allows them."""
-    report = _grade(wrong / "right_other_layout", world_sizes=(3,))
+    report = _grade(wrong_engines / "right_other_layout", world_sizes=(3,))
     assert [r.status for r in report.results] == ["passed"] * 3, str(report)
 
 
@@ -258,7 +246,7 @@ def test_a_method_left_unwritten_is_reported(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def wrong_reports(wrong) -> dict[str, grading.Report]:
+def wrong_reports(wrong_engines) -> dict[str, grading.Report]:
     """Each folder's wrong engines, on 1 rank, then 2, ... up to the largest world size where
     one of them shows (the grader stops at the first world size that finds an engine wrong, so
     more ranks would not change these results, only make the suite slower)."""
@@ -266,13 +254,13 @@ def wrong_reports(wrong) -> dict[str, grading.Report]:
     for variant in sorted({v for v, _ in CAUGHT}):
         ids = [i for v, i in sorted(CAUGHT) if v == variant]
         top = max(CAUGHT[variant, i][0] for i in ids)
-        reports[variant] = grading.grade(ids, path=wrong / variant, timeout=TIMEOUT,
+        reports[variant] = grading.grade(ids, path=wrong_engines / variant, timeout=TIMEOUT,
                                          world_sizes=tuple(range(1, top + 1)))
     return reports
 
 
 @pytest.mark.parametrize("variant,ex_id", sorted(CAUGHT))
-def test_wrong_engines_are_caught(wrong, wrong_reports, variant, ex_id):
+def test_wrong_engines_are_caught(wrong_engines, wrong_reports, variant, ex_id):
     world_size, output, mistake = CAUGHT[variant, ex_id]
     # the diff adds the bug, marked where it is
     assert re.search(r"^\+.*# BUG:", (DIFFS / variant / f"{ENGINES[ex_id]}.diff").read_text(), re.M)
