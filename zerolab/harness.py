@@ -98,22 +98,33 @@ def local_rows(batch: Sequence[torch.Tensor], rank: int,
 
 def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
                loss_fn: Callable[..., torch.Tensor] | None = None, *,
-               forward_span: bool = True, zero_grad: bool = True) -> torch.Tensor:
+               forward_span: bool = True, zero_grad: bool = True, micro_batches: int = 1,
+               no_sync: bool = True) -> torch.Tensor:
     """Forward, backward, optimizer step (each marked as a span for the recorders), then
     zero_grad unless zero_grad=False (to read the gradients, or what a rank holds after step).
 
-    loss_fn(output, y): default, the model's own `loss`. Returns the (detached) loss.
+    loss_fn(output, y): default, the model's own `loss`. Returns the (detached) mean loss.
+    micro_batches > 1: gradient accumulation. x and y are cut into that many micro-batches
+    (dim 0), each runs forward and backward with its loss divided by micro_batches (so that
+    the gradients add up to the mean), then one step. no_sync: every backward but the last
+    communicates nothing (engine.no_sync()); otherwise each reduces its own gradients.
     """
     loss_fn = loss_fn or engine.module.loss
-    with comm.span("forward") if forward_span else contextlib.nullcontext():
-        loss = loss_fn(engine(x), y)
-    with comm.span("backward"):
-        loss.backward()
+    losses = []
+    for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        quiet = no_sync and i < micro_batches - 1
+        with engine.no_sync() if quiet else contextlib.nullcontext():
+            with comm.span("forward") if forward_span else contextlib.nullcontext():
+                loss = loss_fn(engine(xs), ys)
+                loss = loss / micro_batches if micro_batches > 1 else loss
+            with comm.span("backward"):
+                loss.backward()
+        losses.append(loss.detach())
     with comm.span("step"):
         engine.step()
     if zero_grad:
         engine.zero_grad()
-    return loss.detach()
+    return losses[0] if micro_batches == 1 else torch.stack(losses).sum()
 
 
 @dataclass

@@ -15,14 +15,13 @@ gives "DDP", "ZeRO-1", "ZeRO-1 naive"), and each step is the harness's.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import comm, harness, models
+from zerolab import harness, models
 from zerolab.comm import CommLog
 
 COMPARED = ("ddp", "zero1", "zero1naive")  # the engines compared, by their harness names
@@ -137,22 +136,6 @@ class AccumulationRun:
     state: dict[str, torch.Tensor]  # full_state_dict() after the step (CPU)
 
 
-def accumulation_step(engine, micro_batches: list[list[torch.Tensor]], no_sync: bool) -> None:
-    """Gradient accumulation: forward and backward on each micro-batch (loss scaled by
-    1/micro-batches, so that the gradients add up to the mean), then one optimizer step.
-    no_sync: every backward but the last communicates nothing (engine.no_sync())."""
-    for i, (x, y) in enumerate(micro_batches):
-        quiet = no_sync and i < len(micro_batches) - 1
-        with engine.no_sync() if quiet else contextlib.nullcontext():
-            with comm.span("forward"):
-                loss = engine.module.loss(engine(x), y) / len(micro_batches)
-            with comm.span("backward"):
-                loss.backward()
-    with comm.span("step"):
-        engine.step()
-    engine.wait_params()
-
-
 def accumulation(engine_name: str, no_sync: bool, group: dist.ProcessGroup | None,
                  device: torch.device) -> AccumulationRun:
     """MICRO_BATCHES micro-batches (each a global batch of GLOBAL_BATCH) and one step, under
@@ -160,8 +143,11 @@ def accumulation(engine_name: str, no_sync: bool, group: dist.ProcessGroup | Non
     model, micro = _model_and_batches(group, device, range(100, 100 + MICRO_BATCHES))
     engine = harness.make_engine(engine_name, model, group=group, lr=LR,
                                  bucket_bytes=SMALL_BUCKETS)
+    x, y = (torch.cat(parts) for parts in zip(*micro))  # harness.train_step cuts them again
     with zerolab.record_comm(group) as log, zerolab.track_memory(engine.state_tensors) as mem:
-        accumulation_step(engine, micro, no_sync)
+        harness.train_step(engine, x, y, micro_batches=len(micro), no_sync=no_sync,
+                           zero_grad=False)
+        engine.wait_params()
     held = engine.model_state_bytes()
     return AccumulationRun(engine_name, no_sync, log, mem.max_by_category.get("grads", 0), held,
                            {k: v.cpu() for k, v in engine.full_state_dict().items()})

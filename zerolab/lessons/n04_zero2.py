@@ -105,9 +105,9 @@ def zero2_run(name: str, bucket_bytes: int = BUCKET_BYTES, config: GPTConfig = M
 
 
 def accumulation(bucket_bytes: int = BUCKET_BYTES, config: GPTConfig = MODEL) -> Accumulation:
-    """Run on every rank: ZeRO-2's grad_shard after a backward over step 1's batch, and after
-    two backward passes over its two halves (each loss halved: the mean), with no step between.
-    """
+    """Run on every rank: ZeRO-2's grad_shard after a step over step 1's batch, and after a
+    step over its two halves as micro-batches (each loss halved: the mean), each backward
+    reducing its own gradients."""
     shards, counts = [], []
     for micro_batches in (1, 2):
         model = GPT(config)
@@ -115,9 +115,9 @@ def accumulation(bucket_bytes: int = BUCKET_BYTES, config: GPTConfig = MODEL) ->
                                      bucket_bytes=bucket_bytes)
         x, y = batch(model, 1)  # (BATCH_PER_RANK, seq) each
         with comm.record_comm(engine.group) as log:
-            for xs, ys in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-                (model.loss(engine(xs), ys) / micro_batches).backward()
-            engine._wait_pending()  # the last reduce-scatter lands in grad_shard
+            # Every backward reduces its own gradients (no no_sync); step() leaves grad_shard.
+            harness.train_step(engine, x, y, micro_batches=micro_batches, no_sync=False,
+                               zero_grad=False)
         shards.append(torch.cat([b.grad_shard for b in engine.buckets]))
         counts.append(sum(e.op == "reduce_scatter" for e in log.events))
     return Accumulation(counts, (shards[0] - shards[1]).abs().max().item())
