@@ -26,12 +26,18 @@ REPO = Path(__file__).resolve().parent.parent
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def is_zygote(process: psutil.Process) -> bool:
+    return any("zerolab.zygote" in part for part in process.cmdline())
+
+
 def spawned_children() -> list[psutil.Process]:
-    """This process's living spawned ranks (the multiprocessing resource tracker is not one)."""
+    """This process's living ranks: forked by its zygote, or spawned (the zygote itself, which
+    stays for the next launch, and multiprocessing's resource tracker are not ranks)."""
     out = []
     for child in psutil.Process().children(recursive=True):
         try:
-            if any("spawn_main" in part for part in child.cmdline()):
+            if (any("spawn_main" in part for part in child.cmdline())
+                    or (is_zygote(child.parent()) and not is_zygote(child))):
                 out.append(child)
         except psutil.ZombieProcess:
             out.append(child)  # exited but never reaped: left behind as well
@@ -156,7 +162,7 @@ def forbid_spawn(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("launch started processes before validating its arguments")
 
-    monkeypatch.setattr(launch_mod.mp, "get_context", fail)
+    monkeypatch.setattr(launch_mod, "_start", fail)
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", None, True])
@@ -358,7 +364,8 @@ ONLY_IN_A_RANK = ('if __name__ == "__mp_main__":  # the script, run again in a n
     # Not a guard, but the check before spawning cannot tell: the ranks' own output does.
     (WORK + "if True:\n    print(zerolab.launch(work, 2))\n", False,
      ["could not start: the main script calls zerolab.launch without an `if __name__",
-      "Output of rank", "finished its bootstrapping phase", "    printed at the top"]),
+      "Output of rank", "zerolab.launch was called while a rank ran the main script again",
+      "    printed at the top"]),
     (WORK + ONLY_IN_A_RANK + GUARD, False,
      ["failed while starting, before it ran work: RuntimeError: this line fails in a new "
       "process only", 'raise RuntimeError("this line fails', "    printed at the top"]),

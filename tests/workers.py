@@ -1,9 +1,11 @@
-"""Worker functions for the tests: spawned ranks import them from here."""
+"""Worker functions for the tests: the ranks import them from here."""
 
+import importlib
 import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -208,3 +210,25 @@ def uneven_broadcast():
     t = torch.ones(3 if dist.get_rank() == 0 else 2)
     dist.broadcast(t, src=0)
     return t
+
+
+def where_am_i(module_name):
+    """What a rank sees of the caller: its environment, directory and sys.path (a module
+    importable only from there), and who started it."""
+    module = importlib.import_module(module_name)
+    return {"probe": os.environ.get("ZEROLAB_PROBE"), "cwd": os.getcwd(),
+            "module": module.__file__, "ppid": os.getppid(), "pid": os.getpid()}
+
+
+def sleep_and_note_pid(folder):
+    """Write this rank's pid to `folder`, then sleep: a rank for a test to kill its caller."""
+    (Path(folder) / f"rank-{dist.get_rank()}").write_text(str(os.getpid()))
+    time.sleep(600)
+
+
+def unseeded_draws():
+    """Random numbers drawn without seeding: a new process's own, from each generator."""
+    import random
+
+    import numpy as np
+    return (torch.rand(4).tolist(), np.random.rand(4).tolist(), [random.random() for _ in range(4)])

@@ -2,11 +2,13 @@
 
     results = zerolab.launch(fn, world_size=2, args=(x,))   # [fn(x) on rank 0, on rank 1]
 
-Each rank is a fresh `spawn`ed Python process with the default process group initialised
-(gloo on CPU, NCCL with one GPU per rank). What `fn` returns comes back to the caller, tensors
-included. If a rank fails, the caller gets one `WorkerError` naming the rank, what happened,
-the likely cause and the rank's own output; the other ranks are killed; nothing is left
-running. A rank stuck in a collective is killed at `timeout` and reported by `LaunchTimeout`.
+Each rank is a new process with the default process group initialised (gloo on CPU, NCCL with
+one GPU per rank): forked, in milliseconds, by a helper process that has imported torch already
+(zerolab/zygote.py), or, where that cannot run (not Linux), a fresh `spawn`ed Python. What
+`fn` returns comes back to the caller, tensors included. If a rank fails, the caller gets one
+`WorkerError` naming the rank, what happened, the likely cause and the rank's own output; the
+other ranks are killed; nothing is left running. A rank stuck in a collective is killed at
+`timeout` and reported by `LaunchTimeout`.
 
 Under `torchrun`, call `init_from_env()` instead: it reads the environment torchrun sets, so the
 same training function runs on one laptop or many nodes.
@@ -35,6 +37,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from zerolab import zygote
 
 
 class LaunchError(RuntimeError):
@@ -87,18 +91,18 @@ def choose_backend(world_size: int, backend: str | None) -> str:
 
 
 def check_importable(fn: Callable) -> None:
-    """Spawned processes re-import `fn` by module and name; say so clearly when they cannot."""
+    """The ranks import `fn` by module and name; say so clearly when they cannot."""
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", repr(fn))
     main = sys.modules.get("__main__")
     if module == "__main__" and not getattr(main, "__file__", None):
         raise ValueError(
-            f"{qualname} was defined in a notebook cell (or an interactive session): spawned "
-            f"processes cannot import it. Put it in a module, e.g. my_workers.py next to the "
-            f"notebook, and import it from there: `from my_workers import {qualname}`.")
+            f"{qualname} was defined in a notebook cell (or an interactive session): the ranks, "
+            f"other processes, cannot import it. Put it in a module, e.g. my_workers.py next to "
+            f"the notebook, and import it from there: `from my_workers import {qualname}`.")
     if "<lambda>" in qualname or "<locals>" in qualname:
         raise ValueError(
-            f"{qualname} is a lambda or a nested function: spawned processes cannot import it. "
+            f"{qualname} is a lambda or a nested function: the ranks cannot import it. "
             f"Define it at the top level of a module.")
     try:
         pickle.dumps(fn)
@@ -106,7 +110,7 @@ def check_importable(fn: Callable) -> None:
         raise ValueError(f"{qualname} cannot be sent to the worker processes: {e}") from e
 
 
-# --- the main script: every spawned rank starts by running it again -----------------------------
+# --- the main script: every rank starts by running it again --------------------------------------
 
 GUARD_FIX = """\
 Every new rank starts by running the main script again (that is how it finds the functions
@@ -125,7 +129,7 @@ zerolab.launch under `if __name__ == "__main__":`, and run `python my_script.py`
 
 
 def check_main_script() -> None:
-    """Refuse, before any rank starts, the two scripts that spawned ranks cannot run again."""
+    """Refuse, before any rank starts, the two scripts that the ranks cannot run again."""
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if path is None:
@@ -182,7 +186,7 @@ def _unguarded_line(main: Any, path: str) -> tuple[int, str] | None:
 def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
            backend: str | None = None, timeout: float = 120.0, *,
            threads: int | None = None, verbose: bool = False) -> list[Any]:
-    """Run `fn(*args)` on `world_size` spawned ranks; return the results ordered by rank.
+    """Run `fn(*args)` on `world_size` new ranks; return the results ordered by rank.
 
     backend: None picks NCCL with one GPU per rank (rank r on cuda:r), else gloo on CPU.
     timeout: seconds for the whole run; ranks still running then are killed (LaunchTimeout).
@@ -190,6 +194,8 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     verbose: print what the ranks printed (prefixed by rank); otherwise their stdout and stderr
         (warnings included) are kept out of the caller's output and shown only on failure.
     """
+    if zygote.running_main_again:  # in a rank, running the main script again
+        raise LaunchError(UNGUARDED_IN_A_RANK)
     backend = choose_backend(world_size, backend)
     check_importable(fn)
     check_main_script()
@@ -200,12 +206,9 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
     # and the process objects stay small, so that starting one returns at once.
     with open(os.path.join(workdir, "payload"), "wb") as f:
         pickle.dump((fn, tuple(args)), f)
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(workdir, rank, world_size, backend, threads, timeout))
-             for rank in range(world_size)]
+    procs: list = []  # one per rank started so far: all are killed if anything goes wrong
     try:
-        _start(procs, workdir)
+        _start(procs, workdir, world_size, (backend, threads, timeout))
         _wait_all(procs, workdir, timeout, getattr(fn, "__qualname__", repr(fn)))
         results = [torch.load(_path(workdir, "result", r), weights_only=False)
                    for r in range(world_size)]
@@ -222,6 +225,14 @@ def launch(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
             if p.pid is not None:  # started
                 p.join(timeout=10)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def running_ranks() -> list[int]:
+    """The pids of the ranks this process started that are still running: none once `launch`
+    has returned or raised, which kills whatever is left."""
+    forker = zygote.Zygote.current()
+    spawned = [p.pid for p in multiprocessing.active_children()]
+    return (forker.ranks_running() if forker else []) + spawned
 
 
 def _path(workdir: str, kind: str, rank: int) -> str:
@@ -241,20 +252,36 @@ def _read(path: str) -> str:
 _START_LOCK = threading.Lock()
 
 
-def _start(procs: list, workdir: str) -> None:
-    """Start the ranks, each with its stdout and stderr going to its log file.
+def _start(procs: list, workdir: str, world_size: int, settings: tuple) -> None:
+    """Start the ranks, appending each to `procs`, its output going to its log file from its
+    first instruction (the main script run again, a failed import): forked by the zygote, or
+    spawned where it cannot run. settings: (backend, threads, timeout) for `_worker`."""
+    try:
+        forker = zygote.Zygote.for_this_process()
+    except zygote.ZygoteUnavailable:
+        _spawn(procs, workdir, world_size, settings)
+        return
+    for rank in range(world_size):
+        try:
+            procs.append(forker.start(_worker, (workdir, rank, world_size, *settings),
+                                      _path(workdir, "log", rank)))
+        except zygote.ZygoteUnavailable as e:
+            raise LaunchError(f"could not start rank {rank}: {e}") from e
 
-    A spawned process inherits them from this one, so its log holds all it prints from its
-    first instruction: Python starting up, the main script run again, a failed import.
-    """
+
+def _spawn(procs: list, workdir: str, world_size: int, settings: tuple) -> None:
+    """Spawned ranks inherit stdout and stderr from this process: point them at the log."""
     if sys.platform != "win32":
         # The helper process multiprocessing starts on first use must keep our real output.
         from multiprocessing import resource_tracker
         resource_tracker.ensure_running()
+    ctx = mp.get_context("spawn")
     with _START_LOCK:
-        for rank, p in enumerate(procs):
+        for rank in range(world_size):
+            procs.append(ctx.Process(target=_worker, daemon=True,
+                                     args=(workdir, rank, world_size, *settings)))
             with _output_to(_path(workdir, "log", rank)):
-                p.start()
+                procs[-1].start()
 
 
 @contextlib.contextmanager
@@ -349,6 +376,10 @@ SIGNAL_CAUSES = {
     "SIGINT": ("it was interrupted", "Ctrl-C reaches every rank started from a terminal."),
 }
 
+UNGUARDED_IN_A_RANK = """\
+zerolab.launch was called while a rank ran the main script again: the script calls it where
+every rank runs it, not under `if __name__ == "__main__":`."""
+
 STARTUP_FIX = """\
 A new rank first runs the main script again and imports the module of the function: code there
 that fails in a fresh process stops the rank (a module not found from there, a relative path,
@@ -370,13 +401,14 @@ def _failure(rank: int, exitcode: int | None, workdir: str, fn_name: str) -> Wor
             name = f"signal {-exitcode}"
         what, cause = SIGNAL_CAUSES.get(name, ("it was killed", ""))
         head = f"rank {rank} was killed by {name} (exit code {exitcode}): {what}.\n{cause}"
-    elif "finished its bootstrapping phase" in output:
+    elif "finished its bootstrapping phase" in output or UNGUARDED_IN_A_RANK in output:
         head = (f"rank {rank} could not start: the main script calls zerolab.launch without "
                 f"an `if __name__ == \"__main__\":` guard.\n{GUARD_FIX}")
     elif "<stdin>" in output and "spawn_main" in output:
         head = (f"rank {rank} could not start: the main script was read from standard "
                 f"input.\n{STDIN_FIX}")
-    elif "Traceback" in output and ("spawn_main" in output or "_bootstrap" in output):
+    elif zygote.STARTUP_FAILED in output or (
+            "Traceback" in output and ("spawn_main" in output or "_bootstrap" in output)):
         # a traceback from multiprocessing's start-up code: before the worker could catch it
         last_line = output.strip().splitlines()[-1]
         head = (f"rank {rank} failed while starting, before it ran {fn_name}: {last_line}\n"

@@ -7,7 +7,9 @@
 
 `record_comm` measures what a rank wrote in all (the kernel's per-process counter); it cannot say
 to whom. gloo keeps one TCP connection per pair of ranks (per process group), and the kernel
-keeps, per connection, how many bytes it has sent (`tcpi_bytes_sent` in TCP_INFO). Reading those
+keeps, per connection, how many bytes it has sent (`tcpi_bytes_sent` in TCP_INFO, less
+`tcpi_bytes_retrans`: a segment sent again counts once, as the process wrote it once; a busy
+machine's loopback drops and resends a few). Reading those
 counters before and after a block, and knowing which rank owns the other end of each
 connection, gives the bytes sent to each peer: on one machine pretending to be several nodes,
 the bytes that would have crossed the network.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 _TCP_INFO_BYTES_SENT = 200  # offset of tcpi_bytes_sent (u64) in struct tcp_info (Linux >= 4.19)
+_TCP_INFO_BYTES_RETRANS = 208  # tcpi_bytes_retrans (u64): the part of it that was sent again
 _TCP_INFO_BYTES_ACKED = 120  # tcpi_bytes_acked, for older kernels
 
 Address = tuple[str, int]
@@ -72,8 +75,11 @@ def connections() -> dict[tuple[Address, Address], int] | None:
                 info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
             except OSError:  # a listening socket has no peer
                 continue
-            offset = _TCP_INFO_BYTES_SENT if len(info) >= 208 else _TCP_INFO_BYTES_ACKED
-            out[(local, peer)] = struct.unpack_from("Q", info, offset)[0]
+            if len(info) >= _TCP_INFO_BYTES_RETRANS + 8:
+                sent, resent = struct.unpack_from("QQ", info, _TCP_INFO_BYTES_SENT)
+                out[(local, peer)] = sent - resent
+            else:
+                out[(local, peer)] = struct.unpack_from("Q", info, _TCP_INFO_BYTES_ACKED)[0]
     return out
 
 

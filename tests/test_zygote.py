@@ -1,0 +1,180 @@
+"""zerolab/zygote.py: ranks forked by a helper that has imported torch, as a spawned rank would
+be in all that a learner can see; the helper and its ranks die with their caller."""
+
+import importlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import workers
+
+import zerolab
+from zerolab import zygote
+
+TESTS = Path(__file__).resolve().parent
+
+
+def zygote_of(process: psutil.Process) -> psutil.Process:
+    found = [c for c in process.children()
+             if any("zerolab.zygote" in part for part in c.cmdline())]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def wait_until(condition, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_rank_sees_the_callers_environment_directory_and_path_as_they_are_now(
+        tmp_path, monkeypatch):
+    zerolab.launch(workers.rank_and_size, 1)  # the zygote is up before anything below changes
+    (tmp_path / "probe_module.py").write_text("VALUE = 1\n")  # created after the zygote started
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ZEROLAB_PROBE", "set after the zygote started")
+    seen = zerolab.launch(workers.where_am_i, 2, args=("probe_module",))
+    forker = zygote.Zygote.for_this_process()
+    for rank in seen:
+        assert rank["probe"] == "set after the zygote started"
+        assert rank["cwd"] == str(tmp_path)
+        assert rank["module"] == str(tmp_path / "probe_module.py")
+        assert rank["ppid"] == forker.process.pid  # forked by the zygote, not spawned by us
+    assert len({rank["pid"] for rank in seen}) == 2
+
+
+def test_where_no_zygote_can_run_ranks_are_spawned(monkeypatch):
+    def unavailable():
+        raise zygote.ZygoteUnavailable("not here")
+
+    monkeypatch.setattr(zygote.Zygote, "for_this_process", unavailable)
+    seen = zerolab.launch(workers.where_am_i, 2, args=("workers",))
+    assert [rank["ppid"] for rank in seen] == [os.getpid()] * 2
+
+
+def test_a_dead_zygote_is_replaced_and_a_rank_it_took_along_is_reported():
+    zerolab.launch(workers.rank_and_size, 1)
+    first = zygote.Zygote.for_this_process()
+    first.process.kill()
+    first.process.wait()
+    assert zerolab.launch(workers.rank_and_size, 2) == [(0, 2, 1), (1, 2, 1)]
+    second = zygote.Zygote.for_this_process()
+    assert second is not first and second.process.poll() is None
+
+
+def test_the_zygote_and_its_ranks_die_with_their_caller(tmp_path):
+    """The caller is killed outright (no clean-up of its own): the zygote sees its socket close
+    and kills the ranks; were the zygote killed, its ranks would get SIGKILL from the kernel."""
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        import workers
+        import zerolab
+
+        if __name__ == "__main__":
+            zerolab.launch(workers.sleep_and_note_pid, 2, args=({str(tmp_path)!r},),
+                           timeout=600)
+    """))
+    caller = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path)
+    try:
+        assert wait_until(lambda: all((tmp_path / f"rank-{r}").exists() for r in (0, 1))), \
+            "the ranks did not start"
+        ranks = [int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)]
+        helper = zygote_of(psutil.Process(caller.pid))
+        assert all(psutil.Process(pid).ppid() == helper.pid for pid in ranks)
+        caller.kill()
+        caller.wait()
+        gone = [helper.pid, *ranks]
+        assert wait_until(lambda: not any(alive(pid) for pid in gone), timeout=30), \
+            [pid for pid in gone if alive(pid)]
+    finally:
+        caller.kill()
+
+
+def test_a_killed_zygote_takes_its_ranks_along(tmp_path):
+    """Parent-death signal: ranks do not outlive the zygote that forked them."""
+    script = tmp_path / "caller.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(TESTS)!r})
+        import workers
+        import zerolab
+
+        if __name__ == "__main__":
+            try:
+                zerolab.launch(workers.sleep_and_note_pid, 2, args=({str(tmp_path)!r},),
+                               timeout=600)
+            except zerolab.WorkerError as e:
+                print(str(e).splitlines()[0])
+    """))
+    caller = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: all((tmp_path / f"rank-{r}").exists() for r in (0, 1))), \
+            "the ranks did not start"
+        ranks = [int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)]
+        helper = zygote_of(psutil.Process(caller.pid))
+        os.kill(helper.pid, signal.SIGKILL)
+        out, _ = caller.communicate(timeout=60)
+        assert not any(alive(pid) for pid in ranks)
+        assert "was killed by SIGKILL" in out, out
+    finally:
+        caller.kill()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_the_zygote_runs_a_single_thread_when_it_forks():
+    """The fork is safe because the zygote has one thread. numpy's BLAS would start one at
+    import (it stops it around a fork, but nothing else need be that careful)."""
+    helper = zygote.Zygote()  # a new one, which has imported everything and forked nothing
+    try:
+        assert psutil.Process(helper.process.pid).num_threads() == 1
+    finally:
+        helper.close()
+
+
+def test_unseeded_random_numbers_differ_between_ranks_and_launches_as_in_new_processes():
+    """Forked ranks would all inherit the zygote's generators; each draws its own seeds, as a
+    spawned rank does (a lesson whose ranks build models without seeding relies on it)."""
+    first = zerolab.launch(workers.unseeded_draws, 2)
+    second = zerolab.launch(workers.unseeded_draws, 2)
+    for generator in range(3):  # torch, numpy, random
+        draws = [tuple(rank[generator]) for rank in (*first, *second)]
+        assert len(set(draws)) == 4, (generator, draws)
+
+
+def test_running_ranks_lists_the_ranks_of_a_launch_under_way_and_none_after(tmp_path):
+    launch_mod = importlib.import_module("zerolab.launch")  # zerolab.launch is the function
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            zerolab.launch(workers.sleep_and_note_pid, 2, args=(str(tmp_path),), timeout=8)
+        except BaseException as e:  # the timeout, expected below
+            errors.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert wait_until(lambda: all((tmp_path / f"rank-{r}").exists() for r in (0, 1)))
+    ranks = {int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)}
+    assert ranks <= set(launch_mod.running_ranks())
+    thread.join(timeout=120)
+    assert len(errors) == 1 and isinstance(errors[0], zerolab.LaunchTimeout), errors
+    assert launch_mod.running_ranks() == []
