@@ -178,3 +178,25 @@ def test_running_ranks_lists_the_ranks_of_a_launch_under_way_and_none_after(tmp_
     thread.join(timeout=120)
     assert len(errors) == 1 and isinstance(errors[0], zerolab.LaunchTimeout), errors
     assert launch_mod.running_ranks() == []
+
+
+def test_a_process_forked_from_the_caller_gets_a_zygote_of_its_own(tmp_path):
+    """Requests from two processes on one socket would mix: a child forked from a caller that
+    has a zygote (a DataLoader worker, a user's own fork) starts its own."""
+    zerolab.launch(workers.rank_and_size, 1)
+    ours = zygote.Zygote.for_this_process().process.pid
+    out = tmp_path / "child"
+    pid = os.fork()
+    if pid == 0:  # the child: launch, say which zygote forked its ranks, leave at once
+        code = 1
+        try:
+            seen = zerolab.launch(workers.where_am_i, 1, args=("workers",))
+            out.write_text(f"{seen[0]['ppid']} {zygote.Zygote.for_this_process().process.pid}")
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    rank_parent, its_zygote = map(int, out.read_text().split())
+    assert rank_parent == its_zygote != ours
+    assert zygote.Zygote.for_this_process().process.pid == ours  # ours is still ours

@@ -111,19 +111,26 @@ class Zygote:
     def current(cls) -> Zygote | None:
         """This process's zygote if one is running, without starting one."""
         zygote = cls._current
-        return zygote if zygote is not None and zygote.process.poll() is None else None
+        alive = zygote is not None and zygote.owner == os.getpid() and zygote.process.poll() is None
+        return zygote if alive else None
 
     @classmethod
     def for_this_process(cls) -> Zygote:
         """This process's zygote, started on first use (and again if it has died)."""
         with cls._current_lock:
-            if cls._current is None or cls._current.process.poll() is not None:
+            zygote = cls._current
+            # A process forked from this one (not by the zygote) needs a zygote of its own:
+            # requests from two processes on one socket would mix.
+            if zygote is None or zygote.owner != os.getpid() or zygote.process.poll() is not None:
+                if zygote is not None and zygote.owner == os.getpid():
+                    zygote._socket.close()  # it died: let go of our end
                 cls._current = cls()
             return cls._current
 
     def __init__(self) -> None:
         if sys.platform != "linux":  # fork, and passing file descriptors, as Linux has them
             raise ZygoteUnavailable(f"no zygote on {sys.platform}")
+        self.owner = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         # The zygote imports zerolab and torch from where this process did.
@@ -147,10 +154,10 @@ class Zygote:
             self.process.kill()
             self.process.wait()
             raise ZygoteUnavailable("the zygote did not start:\n" + self._output())
-        ours = (os.path.join(os.path.dirname(__file__), "__init__.py"), torch.__file__)
-        if pickle.loads(ready) != ours:  # another torch or zerolab came first on its path
+        expected = (os.path.join(os.path.dirname(__file__), "__init__.py"), torch.__file__)
+        if pickle.loads(ready) != expected:  # another torch or zerolab came first on its path
             self.close()
-            raise ZygoteUnavailable(f"the zygote imported {pickle.loads(ready)}, not {ours}")
+            raise ZygoteUnavailable(f"the zygote imported {pickle.loads(ready)}, not {expected}")
 
     def start(self, target: Callable[..., Any], args: tuple, log_path: str) -> ForkedRank:
         """Fork a rank that runs target(*args), its stdout and stderr appended to log_path."""

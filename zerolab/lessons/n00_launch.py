@@ -1,8 +1,9 @@
 """Notebook 00: ranks, process groups and the first all-reduce, on N processes.
 
-Every function here runs on each rank of `zerolab.launch(fn, world_size=N)`: N new processes, each with the default process group already initialised. They return plain data (a
-small dataclass per function, below), which `launch` brings back to the notebook as a list
-ordered by rank.
+Every function here runs on each rank of `zerolab.launch(fn, world_size=N)`: N new processes,
+each with the default process group already initialised. They return plain data (a small
+dataclass per function, below), which `launch` brings back to the notebook as a list ordered by
+rank.
 """
 
 from __future__ import annotations
