@@ -13,11 +13,12 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from zerolab import bench, bench_config, harness, progress, theory
+from zerolab import bench, bench_config, bench_profile, bench_report, harness, progress, theory
 from zerolab.models import GPT, num_params
 
 REPO = Path(__file__).resolve().parent.parent
@@ -89,6 +90,17 @@ def test_table_says_how_to_read_it_and_under_what_load(quick):
     assert "what measuring costs" in table
     env = quick["report"]["environment"]
     assert len(env["load_average_start"]) == len(env["load_average_end"]) == 3
+
+
+def test_cores_busy_is_every_ranks_cpu_time_over_the_steps_wall_time(quick):
+    """What bounds a step on one machine: a measured ratio, printed for every strategy."""
+    table = quick["proc"].stdout
+    line = next(li for li in table.splitlines() if li.startswith("cores busy during a step"))
+    for row in quick["report"]["strategies"]:
+        busy = sum(row["median_cpu_s_per_rank"]) / row["median_step_s"]
+        assert row["cores_busy"] == pytest.approx(busy)
+        assert 0 < busy <= quick["report"]["environment"]["cores"] * 1.25  # medians of two clocks
+        assert f"{bench_report._short_label(row)} {busy:.2f}" in line
 
 
 def test_model_state_matches_the_formulas(quick):
@@ -252,3 +264,25 @@ def test_config_is_checked():
         bench_config.BenchConfig(strategies=("ddp", "zero4")).check()
     with pytest.raises(ValueError, match="must divide"):
         bench_config.BenchConfig(global_batch=3).check()
+
+
+def test_profile_lists_each_strategys_operators_by_self_time():
+    """--profile: per strategy, rank 0's operators per step, largest first, summing to the
+    total; the same model's forward and backward run the same matrix products in zerolab's DDP
+    and torch's, and DDP's all-reduces show (one per bucket)."""
+    proc = subprocess.run([sys.executable, "-m", "zerolab.bench", "--profile", "--quick",
+                           "--strategies", "ddp,torch_ddp"], capture_output=True, text=True,
+                          env=subprocess_env(), cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    config = replace(bench_config.BenchConfig(**bench_config.QUICK),
+                     strategies=("ddp", "torch_ddp"))
+    profiles = {p.key: p for p in bench_profile.run_profile(config)}
+    for key, p in profiles.items():
+        heads = [li for li in proc.stdout.splitlines() if li.startswith(f"{key}: ")]
+        assert len(heads) == 1 and "ms of operator self time per step" in heads[0]
+        times = [op.self_ms for op in p.ops]
+        assert times == sorted(times, reverse=True)
+        assert p.self_ms == pytest.approx(sum(times))
+    calls = {key: {op.name: op.calls for op in p.ops} for key, p in profiles.items()}
+    assert calls["ddp"]["aten::mm"] == calls["torch_ddp"]["aten::mm"] > 0
+    assert calls["ddp"]["c10d::allreduce_"] >= 1

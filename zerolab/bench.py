@@ -4,6 +4,7 @@
     python -m zerolab.bench --quick               # seconds: a tiny GPT, 1 warm-up, 2 steps
     python -m zerolab.bench --gpt2                # GPT-2 small (124M), in pairs: minutes
     python -m zerolab.bench --json bench.json --plot bench.png
+    python -m zerolab.bench --profile             # where a step's time goes (bench_profile.py)
     torchrun --nproc-per-node 8 -m zerolab.bench --gpt2   # 8 GPUs (NCCL), ranks from torchrun
 
 Seven strategies train the same GPT (same initial weights, same batches, AdamW with the same
@@ -66,6 +67,7 @@ import torch.distributed as dist
 import zerolab
 from zerolab import harness
 from zerolab.bench_config import GPT2, QUICK, STRATEGIES, BenchConfig
+from zerolab.bench_profile import format_profiles, run_profile
 from zerolab.bench_report import format_table, plot, summarize
 from zerolab.models import GPT, num_params
 from zerolab.progress import Progress, ProgressBar, follow_progress
@@ -244,6 +246,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     p.add_argument("--plot", metavar="PATH", help="write the figures as one PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--profile", action="store_true",
+                   help="instead: torch.profiler on rank 0, the operators that take each "
+                        "strategy's time (warm-up, then --steps steps each)")
     args = p.parse_args(argv)
     preset = QUICK if args.quick else GPT2 if args.gpt2 else {}
     config = replace(BenchConfig(), **preset)
@@ -259,6 +264,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
 
 def main(argv: list[str] | None = None) -> int:
     config, args = parse_args(argv)
+    if args.profile:
+        if under_torchrun():
+            raise SystemExit("--profile starts its own ranks: run it without torchrun")
+        print(format_profiles(run_profile(config)))
+        return 0
     command = "python -m zerolab.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     report = run(config, progress=not args.no_progress, command=command.strip())
     ok = all(r["matches_reference"] for r in report["strategies"])

@@ -96,6 +96,8 @@ def _row(config: BenchConfig, key: str, per_rank: list[dict[str, Any]], group: i
                                   for res in per_rank],
         "max_abs_diff": diff, "matches_reference": diff <= config.atol,
     }
+    # Cores kept busy by the step: every rank's CPU seconds over the step's wall seconds.
+    row["cores_busy"] = sum(row["median_cpu_s_per_rank"]) / row["median_step_s"]
     if not config.measure:
         return row
     m = [res["measured"][key] for res in per_rank]
@@ -213,6 +215,10 @@ def format_table(report: dict[str, Any]) -> str:
                  for r in rows]
         out.append("what measuring costs, a step's time / a plain step's (comm recorder / comm "
                    "recorder + memory tracker): " + ", ".join(costs))
+    if env["backend"] == "gloo":  # every rank on this machine's cores
+        out.append(f"cores busy during a step (CPU seconds of every rank / the step's seconds), "
+                   f"on {env['cores']} cores: "
+                   + ", ".join(f"{_short_label(r)} {r['cores_busy']:.2f}" for r in rows))
     out.append(HOW_TO_READ)
     return "\n".join(out)
 
@@ -236,7 +242,13 @@ HOW_TO_READ = """How to read it:
   equal (at N=2 every sum of two numbers is exact in any order).
 - what measuring costs: one step under the comm recorder, then one under the memory tracker
   (and the c10d counter) as well, each against a plain step; the tracker inspects every op,
-  so the more ops a strategy runs per step, the more it costs: keep it off when timing."""
+  so the more ops a strategy runs per step, the more it costs: keep it off when timing.
+- cores busy (gloo): the CPU seconds that every rank's threads (compute, and gloo's, which
+  copy every byte sent) spent in a step, over the step's wall seconds. Close to the number of
+  cores, the step is bound by the CPU: on one machine, sending costs CPU time too (the kernel
+  copies loopback bytes), so overlapping it with compute hides nothing, and a strategy is as
+  fast as the CPU work it does. There ZeRO-3, which sends 1.5x DDP's bytes and does DDP's
+  compute, cannot be much faster than DDP, whatever FSDP2's time."""
 
 
 def _load(values: list[float]) -> str:
