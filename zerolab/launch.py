@@ -27,18 +27,17 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from zerolab import zygote
+from zerolab.spawn import spawn_rank
 
 
 class LaunchError(RuntimeError):
@@ -247,11 +246,6 @@ def _read(path: str) -> str:
         return ""
 
 
-# Two launches from two threads must not start their ranks at the same time: each points this
-# process's stdout and stderr at its own rank's log while that rank starts.
-_START_LOCK = threading.Lock()
-
-
 def _start(procs: list, workdir: str, world_size: int, settings: tuple) -> None:
     """Start the ranks, appending each to `procs`, its output going to its log file from its
     first instruction (the main script run again, a failed import): forked by the zygote, or
@@ -259,53 +253,16 @@ def _start(procs: list, workdir: str, world_size: int, settings: tuple) -> None:
     try:
         forker = zygote.Zygote.for_this_process()
     except zygote.ZygoteUnavailable:
-        _spawn(procs, workdir, world_size, settings)
-        return
+        forker = None
     for rank in range(world_size):
+        args, log = (workdir, rank, world_size, *settings), _path(workdir, "log", rank)
+        if forker is None:
+            procs.append(spawn_rank(_worker, args, log))
+            continue
         try:
-            procs.append(forker.start(_worker, (workdir, rank, world_size, *settings),
-                                      _path(workdir, "log", rank)))
+            procs.append(forker.start(_worker, args, log))
         except zygote.ZygoteUnavailable as e:
             raise LaunchError(f"could not start rank {rank}: {e}") from e
-
-
-def _spawn(procs: list, workdir: str, world_size: int, settings: tuple) -> None:
-    """Spawned ranks inherit stdout and stderr from this process: point them at the log."""
-    if sys.platform != "win32":
-        # The helper process multiprocessing starts on first use must keep our real output.
-        from multiprocessing import resource_tracker
-        resource_tracker.ensure_running()
-    ctx = mp.get_context("spawn")
-    with _START_LOCK:
-        for rank in range(world_size):
-            procs.append(ctx.Process(target=_worker, daemon=True,
-                                     args=(workdir, rank, world_size, *settings)))
-            with _output_to(_path(workdir, "log", rank)):
-                procs[-1].start()
-
-
-@contextlib.contextmanager
-def _output_to(path: str) -> Iterator[None]:
-    """Point file descriptors 1 and 2 (stdout, stderr) of this process at `path` for a moment.
-
-    Only for the instant of starting a process: anything else this process writes to them
-    meanwhile (another thread's print) would land in the file too. In a notebook the caller's
-    prints do not go through these descriptors and are not affected.
-    """
-    for stream in (sys.stdout, sys.stderr):  # what the caller printed goes where it belongs
-        if stream is not None:
-            stream.flush()
-    log = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    saved = [os.dup(1), os.dup(2)]
-    try:
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (*saved, log):
-            os.close(fd)
 
 
 def _wait_all(procs: list, workdir: str, timeout: float, fn_name: str) -> None:
