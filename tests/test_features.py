@@ -10,7 +10,7 @@ import strategies_workers as W
 import torch
 
 import zerolab
-from zerolab import checkpoint
+from zerolab import checkpoint, harness
 from zerolab.harness import max_diff
 
 STAGES = ["ddp", "zero1", "zero2", "zero3"]
@@ -196,3 +196,13 @@ def test_a_missing_rank_file_is_refused(tmp_path):
     os.remove(os.path.join(checkpoint.latest(folder), "rank1.pt"))
     with pytest.raises(checkpoint.CheckpointError, match="rank1.pt is missing"):
         checkpoint.consolidate(folder)
+
+
+@pytest.mark.parametrize("rows, micro_batches", [(5, 2), (4, 0), (3, 4)])
+def test_micro_batches_that_do_not_divide_the_batch_are_refused(rows, micro_batches):
+    """Unequal micro-batches, each loss divided by their count, would not give the mean."""
+    x = y = torch.zeros(rows, 3)
+    with pytest.raises(ValueError, match=f"micro_batches={micro_batches} must divide the "
+                                         f"batch's {rows} rows"):
+        harness.train_step(None, x, y, torch.nn.functional.mse_loss,
+                           micro_batches=micro_batches)

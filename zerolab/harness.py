@@ -110,6 +110,9 @@ def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
     communicates nothing (engine.no_sync()); otherwise each reduces its own gradients.
     """
     loss_fn = loss_fn or engine.module.loss
+    if micro_batches < 1 or x.shape[0] % micro_batches:
+        raise ValueError(f"micro_batches={micro_batches} must divide the batch's {x.shape[0]} "
+                         f"rows: equal micro-batches, or the gradient is not the batch's mean")
     losses = []
     for i, (xs, ys) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
         quiet = no_sync and i < micro_batches - 1
@@ -124,7 +127,7 @@ def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
         engine.step()
     if zero_grad:
         engine.zero_grad()
-    return losses[0] if micro_batches == 1 else torch.stack(losses).sum()
+    return torch.stack(losses).sum()
 
 
 @dataclass
