@@ -1,4 +1,5 @@
-"""Helpers for test_launch.py: scripts run as a learner runs them, and a rank made slow.
+"""Helpers for test_launch.py: scripts run as a learner runs them, a rank made slow, and the
+ranks this process has running.
 
 The slow rank stands in for a busy machine, where one rank can be descheduled for a long
 moment while its peers run on: `slow_rank_worker` replaces zerolab.launch's own `_worker` (the
@@ -16,6 +17,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import torch.distributed as dist
 
 SLOW = 2.0  # seconds: far above the scheduling noise of a loaded machine, short for a test
@@ -69,3 +71,36 @@ def run_script(folder: Path, source: str, env: dict, *, stdin: bool = False,
     command = [sys.executable, "-"] if stdin else [sys.executable, str(script)]
     return subprocess.run(command, input=source if stdin else None, capture_output=True,
                           text=True, env=env, cwd=folder, timeout=timeout)
+
+
+def is_zygote(process: psutil.Process) -> bool:
+    return any("zerolab.zygote" in part for part in process.cmdline())
+
+
+def spawned_children() -> list[psutil.Process]:
+    """This process's living ranks: forked by its zygote, or spawned (the zygote itself, which
+    stays for the next launch, and multiprocessing's resource tracker are not ranks)."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if (any("spawn_main" in part for part in child.cmdline())
+                    or (is_zygote(child.parent()) and not is_zygote(child))):
+                out.append(child)
+        except psutil.ZombieProcess:
+            out.append(child)  # exited but never reaped: left behind as well
+        except psutil.NoSuchProcess:
+            pass  # gone between listing and looking
+    return out
+
+
+# The same scripts where no zygote can run (not Linux): the ranks are spawned, fresh Pythons.
+SPAWNED = """\
+from zerolab import zygote
+
+
+def no_zygote():
+    raise zygote.ZygoteUnavailable("spawned ranks, for this test")
+
+
+zygote.Zygote.for_this_process = no_zygote
+"""

@@ -26,31 +26,11 @@ REPO = Path(__file__).resolve().parent.parent
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def is_zygote(process: psutil.Process) -> bool:
-    return any("zerolab.zygote" in part for part in process.cmdline())
-
-
-def spawned_children() -> list[psutil.Process]:
-    """This process's living ranks: forked by its zygote, or spawned (the zygote itself, which
-    stays for the next launch, and multiprocessing's resource tracker are not ranks)."""
-    out = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if (any("spawn_main" in part for part in child.cmdline())
-                    or (is_zygote(child.parent()) and not is_zygote(child))):
-                out.append(child)
-        except psutil.ZombieProcess:
-            out.append(child)  # exited but never reaped: left behind as well
-        except psutil.NoSuchProcess:
-            pass  # gone between listing and looking
-    return out
-
-
 @pytest.fixture
 def no_leftover_ranks():
-    before = {p.pid for p in spawned_children()}
+    before = {p.pid for p in launch_helpers.spawned_children()}
     yield
-    left = [p for p in spawned_children() if p.pid not in before]
+    left = [p for p in launch_helpers.spawned_children() if p.pid not in before]
     assert not left, f"processes left behind: {[(p.pid, p.status()) for p in left]}"
 
 
@@ -369,7 +349,14 @@ ONLY_IN_A_RANK = ('if __name__ == "__mp_main__":  # the script, run again in a n
     (WORK + ONLY_IN_A_RANK + GUARD, False,
      ["failed while starting, before it ran work: RuntimeError: this line fails in a new "
       "process only", 'raise RuntimeError("this line fails', "    printed at the top"]),
-], ids=["no-guard", "stdin", "no-guard-seen-by-the-ranks", "fails-in-a-new-process"])
+    (launch_helpers.SPAWNED + WORK + "if True:\n    print(zerolab.launch(work, 2))\n", False,
+     ["could not start: the main script calls zerolab.launch without an `if __name__",
+      "Output of rank", "finished its bootstrapping phase", "    printed at the top"]),
+    (launch_helpers.SPAWNED + WORK + ONLY_IN_A_RANK + GUARD, False,
+     ["failed while starting, before it ran work: RuntimeError: this line fails in a new "
+      "process only", "spawn_main", "    printed at the top"]),
+], ids=["no-guard", "stdin", "no-guard-seen-by-the-ranks", "fails-in-a-new-process",
+        "spawned-no-guard-seen-by-the-ranks", "spawned-fails-in-a-new-process"])
 def test_a_script_the_ranks_cannot_start_from_is_explained(tmp_path, source, stdin, expected):
     proc = launch_helpers.run_script(tmp_path, source, subprocess_env(), stdin=stdin)
     assert proc.returncode == 1, proc.stdout + proc.stderr

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import launch_helpers
 import psutil
 import workers
 
@@ -21,8 +22,7 @@ TESTS = Path(__file__).resolve().parent
 
 
 def zygote_of(process: psutil.Process) -> psutil.Process:
-    found = [c for c in process.children()
-             if any("zerolab.zygote" in part for part in c.cmdline())]
+    found = [c for c in process.children() if launch_helpers.is_zygote(c)]
     assert len(found) == 1, found
     return found[0]
 

@@ -58,7 +58,7 @@ STARTUP_FAILED = "zerolab: this rank failed while starting"
 # script calls zerolab.launch where every rank runs it (see launch.GUARD_FIX).
 running_main_again = False
 
-_EXIT = struct.Struct("i")  # an exit code, as the zygote reports it
+_INT = struct.Struct("i")  # a pid or an exit code, as the zygote sends them
 _MAX_MESSAGE = 1 << 20  # a start request: the environment, sys.path, a few names
 _PR_SET_PDEATHSIG = 1  # prctl(2): set the signal a process gets when its parent dies
 
@@ -84,10 +84,10 @@ class ForkedRank:
             return
         if not multiprocessing.connection.wait([self.sentinel], timeout):
             return
-        report = os.read(self.sentinel, _EXIT.size)
+        report = os.read(self.sentinel, _INT.size)
         os.close(self.sentinel)
         # No report: the zygote itself died (killed with its ranks), so this rank is gone.
-        self.exitcode = _EXIT.unpack(report)[0] if len(report) == _EXIT.size else -signal.SIGKILL
+        self.exitcode = _INT.unpack(report)[0] if len(report) == _INT.size else -signal.SIGKILL
 
     def is_alive(self) -> bool:
         self.join(0)
@@ -95,10 +95,8 @@ class ForkedRank:
 
     def kill(self) -> None:
         if self.is_alive():
-            try:
+            with contextlib.suppress(ProcessLookupError):  # exited since: the zygote reports it
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:  # exited since; the zygote reports it
-                pass
 
 
 class Zygote:
@@ -109,7 +107,9 @@ class Zygote:
 
     @classmethod
     def current(cls) -> Zygote | None:
-        """This process's zygote if one is running, without starting one."""
+        """This process's zygote if one is running, without starting one. (A process forked
+        from this one, not by the zygote, needs its own: two processes' requests on one
+        socket would mix.)"""
         zygote = cls._current
         alive = zygote is not None and zygote.owner == os.getpid() and zygote.process.poll() is None
         return zygote if alive else None
@@ -118,12 +118,7 @@ class Zygote:
     def for_this_process(cls) -> Zygote:
         """This process's zygote, started on first use (and again if it has died)."""
         with cls._current_lock:
-            zygote = cls._current
-            # A process forked from this one (not by the zygote) needs a zygote of its own:
-            # requests from two processes on one socket would mix.
-            if zygote is None or zygote.owner != os.getpid() or zygote.process.poll() is not None:
-                if zygote is not None and zygote.owner == os.getpid():
-                    zygote._socket.close()  # it died: let go of our end
+            if cls.current() is None:
                 cls._current = cls()
             return cls._current
 
@@ -181,7 +176,7 @@ class Zygote:
         if not reply:
             os.close(report_r)
             raise ZygoteUnavailable("the zygote died:\n" + self._output())
-        return ForkedRank(_EXIT.unpack(reply)[0], report_r)
+        return ForkedRank(_INT.unpack(reply)[0], report_r)
 
     def ranks_running(self) -> list[int]:
         """The pids of the ranks running now: the zygote's children that have not exited."""
@@ -234,11 +229,11 @@ def serve(fd: int) -> None:
                 exited_r, pid = _fork_rank(pickle.loads(request), log, report, sock, ranks)
                 os.close(log)
                 ranks[exited_r] = (pid, report)
-                sock.send(_EXIT.pack(pid))
+                sock.send(_INT.pack(pid))
             else:
                 pid, report = ranks.pop(ready)
                 _, status = os.waitpid(pid, 0)
-                os.write(report, _EXIT.pack(os.waitstatus_to_exitcode(status)))
+                os.write(report, _INT.pack(os.waitstatus_to_exitcode(status)))
                 os.close(report)
                 os.close(ready)
 
