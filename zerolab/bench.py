@@ -85,6 +85,15 @@ def make_engine(key: str, config: BenchConfig, device: torch.device) -> Any:
     return harness.make_engine(key, model, torch.optim.AdamW, **kwargs)
 
 
+def bench_batch(config: BenchConfig, model: GPT, round_index: int, rank: int,
+                device: torch.device) -> tuple[torch.Tensor, ...]:
+    """This rank's rows of round `round_index`'s global batch, every strategy's the same:
+    (x, y), each (batch / world_size, tokens)."""
+    rows = harness.local_batch(model.make_batch, config.global_batch,
+                               config.seed * 100_003 + round_index, rank, config.world_size)
+    return tuple(t[:, :config.tokens].to(device) for t in rows)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -107,10 +116,7 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
             progress(done, total, label)
 
     def batch(round_index: int) -> tuple[torch.Tensor, ...]:
-        rows = harness.local_batch(model.make_batch, config.global_batch,
-                                   config.seed * 100_003 + round_index, ctx.rank,
-                                   config.world_size)
-        return tuple(t[:, :config.tokens].to(ctx.device) for t in rows)  # (batch, tokens)
+        return bench_batch(config, model, round_index, ctx.rank, ctx.device)
 
     # 1. Timing: one step of every strategy per round, in rotation, nothing recorded.
     times: dict[str, list[float]] = {k: [] for k in keys}

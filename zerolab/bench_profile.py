@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import zerolab
@@ -43,23 +42,19 @@ class StepProfile:
 
 def profile_worker(config: BenchConfig, keys: tuple[str, ...]) -> list[StepProfile]:
     """On each rank: profile `config.steps` steps of every strategy in `keys`, one at a time."""
-    from zerolab.bench import make_engine  # bench imports this module to print its table
+    from zerolab.bench import bench_batch, make_engine  # bench imports this module
 
     ctx = zerolab.init_from_env()
     profiles = []
     for key in keys:
         engine = make_engine(key, config, ctx.device)
-
-        def batch(i: int, model=engine.module) -> tuple[torch.Tensor, ...]:
-            rows = harness.local_batch(model.make_batch, config.global_batch,
-                                       config.seed * 100_003 + i, ctx.rank, config.world_size)
-            return tuple(t[:, :config.tokens].to(ctx.device) for t in rows)
-
-        for i in range(config.warmup):
-            harness.train_step(engine, *batch(i))
+        batches = [bench_batch(config, engine.module, i, ctx.rank, ctx.device)
+                   for i in range(config.warmup + config.steps)]
+        for x, y in batches[:config.warmup]:
+            harness.train_step(engine, x, y)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for i in range(config.steps):
-                harness.train_step(engine, *batch(config.warmup + i))
+            for x, y in batches[config.warmup:]:
+                harness.train_step(engine, x, y)
         events = prof.key_averages()
         ops = sorted((OpTime(e.key, e.count / config.steps,
                              e.self_cpu_time_total / config.steps / 1e3) for e in events),
