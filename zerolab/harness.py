@@ -107,7 +107,9 @@ def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
     micro_batches > 1: gradient accumulation. x and y are cut into that many micro-batches
     (dim 0), each runs forward and backward with its loss divided by micro_batches (so that
     the gradients add up to the mean), then one step. no_sync: every backward but the last
-    communicates nothing (engine.no_sync()); otherwise each reduces its own gradients.
+    communicates nothing (engine.no_sync()); otherwise each reduces its own gradients (not
+    with zerolab's ZeRO-1, whose reduce-scatter overwrites the full gradient that the next
+    micro-batch adds to: notebook 03 shows why). torch's baselines have no no_sync().
     """
     loss_fn = loss_fn or engine.module.loss
     if micro_batches < 1 or x.shape[0] % micro_batches:
@@ -119,6 +121,7 @@ def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
         with engine.no_sync() if quiet else contextlib.nullcontext():
             with comm.span("forward") if forward_span else contextlib.nullcontext():
                 loss = loss_fn(engine(xs), ys)
+                # Not divided by 1: the plain step stays op for op what it was.
                 loss = loss / micro_batches if micro_batches > 1 else loss
             with comm.span("backward"):
                 loss.backward()

@@ -115,9 +115,11 @@ def accumulation(bucket_bytes: int = BUCKET_BYTES, config: GPTConfig = MODEL) ->
                                      bucket_bytes=bucket_bytes)
         x, y = batch(model, 1)  # (BATCH_PER_RANK, seq) each
         with comm.record_comm(engine.group) as log:
-            # Every backward reduces its own gradients (no no_sync); step() leaves grad_shard.
+            # Every backward reduces its own gradients (no no_sync); step() reads grad_shard
+            # but does not change it.
             harness.train_step(engine, x, y, micro_batches=micro_batches, no_sync=False,
                                zero_grad=False)
+            engine.wait_params()  # the step's all-gathers end inside the log
         shards.append(torch.cat([b.grad_shard for b in engine.buckets]))
         counts.append(sum(e.op == "reduce_scatter" for e in log.events))
     return Accumulation(counts, (shards[0] - shards[1]).abs().max().item())
