@@ -12,10 +12,17 @@ import re
 import shutil
 from pathlib import Path
 
+# A hunk header: "@@ -12,7 +12,8 @@", maybe followed by the function it is in (git diff).
+_HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*\n", re.M)
+
 
 def apply_diff(text: str, diff: str) -> str:
-    """`text` with every hunk of `diff` applied; ValueError when a hunk does not fit."""
-    for hunk in re.split(r"^@@[^\n]*@@\n", diff, flags=re.M)[1:]:
+    """`text` with every hunk of `diff` applied; ValueError when a hunk does not fit, or when
+    `diff` has no hunk at all (a wrong answer would quietly become the solution)."""
+    hunks = _HUNK.split(diff)[1:]
+    if not hunks:
+        raise ValueError("no hunk (no '@@ -a,b +c,d @@' line) in this diff")
+    for hunk in hunks:
         old, new = [], []
         for line in hunk.splitlines(keepends=True):
             sign, body = line[:1], line[1:]
@@ -34,6 +41,8 @@ def apply_diff(text: str, diff: str) -> str:
 def build_folder(source: Path, dest: Path, solutions: Path) -> Path:
     """A copy of `source`'s folders at `dest`, each `<module>.diff` in them replaced by
     `<module>.py`: solutions/<module>.py with the diff applied. Other files are copied."""
+    if not source.is_dir():
+        raise FileNotFoundError(f"no folder of wrong answers at {source}")
     for path in sorted(source.rglob("*")):
         if path.is_dir() or path.suffix == ".md":
             continue
@@ -41,7 +50,10 @@ def build_folder(source: Path, dest: Path, solutions: Path) -> Path:
         target.parent.mkdir(parents=True, exist_ok=True)
         if path.suffix == ".diff":
             solution = (solutions / f"{path.stem}.py").read_text()
-            target.with_suffix(".py").write_text(apply_diff(solution, path.read_text()))
+            try:
+                target.with_suffix(".py").write_text(apply_diff(solution, path.read_text()))
+            except ValueError as e:
+                raise ValueError(f"{path} does not fit solutions/{path.stem}.py: {e}") from e
         else:
             shutil.copyfile(path, target)
     return dest

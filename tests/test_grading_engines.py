@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from patches import apply_diff
+from patches import apply_diff, build_folder
 
 from zerolab import grading
 from zerolab.grading import engine_model, engine_verdict
@@ -73,10 +73,31 @@ def _methods(path: Path) -> dict[str, ast.FunctionDef]:
     return {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
 
 
-def test_a_diff_that_no_longer_fits_its_solution_is_refused():
+def test_a_diff_that_no_longer_fits_its_solution_is_refused(tmp_path):
     diff = (DIFFS / "v1" / "ex01_ddp_engine.diff").read_text()
     with pytest.raises(ValueError, match="appear 0 times, not once"):
         apply_diff("nothing of the solution\n", diff)
+    with pytest.raises(ValueError, match="appear 2 times, not once"):
+        apply_diff("abc\nabc\n", "@@ -1 +1 @@\n-abc\n+abd\n")
+    with pytest.raises(ValueError, match="no hunk"):
+        apply_diff("abc\n", "garbage\n")
+    # git's headers name the function after the second @@: still a hunk.
+    assert apply_diff("abc\n", "@@ -1 +1 @@ def f\n-abc\n+abd\n") == "abd\n"
+    # Building a folder names the diff that does not fit.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "ex01_ddp_engine.diff").write_text("@@ -1 +1 @@\n-not there\n+x\n")
+    with pytest.raises(ValueError, match="ex01_ddp_engine.diff does not fit "
+                                         "solutions/ex01_ddp_engine.py: a hunk"):
+        build_folder(tmp_path / "src", tmp_path / "out", REPO / "solutions")
+    with pytest.raises(FileNotFoundError, match="no folder of wrong answers"):
+        build_folder(tmp_path / "missing", tmp_path / "out", REPO / "solutions")
+
+
+def test_every_wrong_engine_on_disk_is_checked():
+    """A .diff added without an entry in CAUGHT would be built and never graded."""
+    exercise_of = {module: ex_id for ex_id, module in ENGINES.items()}
+    on_disk = {(p.parent.name, exercise_of[p.stem]) for p in DIFFS.glob("v*/*.diff")}
+    assert on_disk == set(CAUGHT)
 
 
 @pytest.fixture(scope="module")

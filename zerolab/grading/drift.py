@@ -43,12 +43,12 @@ def _parts(body: list[ast.stmt], lines: list[str], owner: str) -> list[tuple[str
             name = f"the signature or docstring of {owner}{node.name}()"
         elif isinstance(node, ast.ClassDef) and any(_is_exercise(n) for n in node.body):
             first = node.body[0]
-            head_end = (first.end_lineno if _is_docstring(first) else first.lineno - 1) or end
+            head_end = (first.end_lineno if is_docstring(first) else first.lineno - 1) or end
             parts.append((f"`{lines[start - 1].strip()}`", _join(lines, start, head_end)))
-            inner = node.body[1:] if _is_docstring(first) else node.body
+            inner = node.body[1:] if is_docstring(first) else node.body
             parts += _parts(inner, lines, f"{node.name}.")
             continue
-        elif _is_docstring(node) and not owner:
+        elif is_docstring(node) and not owner:
             name = "the module docstring"
         else:
             name = f"`{lines[start - 1].strip()}`"
@@ -56,7 +56,7 @@ def _parts(body: list[ast.stmt], lines: list[str], owner: str) -> list[tuple[str
     return parts
 
 
-def _is_docstring(node: ast.stmt) -> bool:
+def is_docstring(node: ast.stmt) -> bool:
     return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
             and isinstance(node.value.value, str))
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from zerolab.grading.defaults import EXERCISES_DIR, SOLUTIONS_DIR
-from zerolab.grading.drift import _first_missing
+from zerolab.grading.drift import _first_missing, is_docstring
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 _EXERCISE_ID = re.compile(r"Exercise (\d+\.\d+): (.+)")
@@ -85,14 +85,9 @@ def exercise_source(solution: str, filename: str = "<solution>",
             stub = f"{indent}raise NotImplementedError(\n{indent}    {message})"
         out.append(stub + "\n")
     text = "".join(out)
-    docstring_end = tree.body[0].end_lineno if tree.body and _is_docstring(tree.body[0]) else 0
+    docstring_end = tree.body[0].end_lineno if tree.body and is_docstring(tree.body[0]) else 0
     head = text.splitlines(keepends=True)
     return "".join(head[:docstring_end]) + _GENERATED_NOTE + "".join(head[docstring_end:])
-
-
-def _is_docstring(node: ast.stmt) -> bool:
-    return (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-            and isinstance(node.value.value, str))
 
 
 def generated_exercises(solutions_dir: Path = SOLUTIONS_DIR) -> dict[str, str]:
