@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 from dataclasses import replace
@@ -126,9 +128,49 @@ def test_measuring_costs_are_reported(quick):
 
 
 def test_targets_are_checked_on_paired_ratios(quick):
+    table = quick["proc"].stdout
     for t in quick["report"]["targets"]:
         if "paired_ratio" in t:
             assert t["met"] == (t["paired_ratio"] <= t["limit"])
+            assert t["interval"] is None  # 2 rounds: no 95% interval for a median exists
+            assert f"{t['what']}: {t['paired_ratio']:.2f}" in table
+            assert "too few rounds to tell it from noise" in table
+
+
+def test_median_interval_is_the_sign_tests():
+    # 30 values: the 10th smallest and the 10th largest, 1 - 2 P(Bin(30, 1/2) < 10) = 0.957
+    low, high, coverage = bench_report.median_interval(list(range(30, 0, -1)))
+    assert (low, high) == (10, 21)
+    assert coverage == pytest.approx(0.957226, abs=1e-6)
+    assert bench_report.median_interval([3.0, 1.0, 2.0, 5.0, 4.0]) is None  # [min, max]: 0.9375
+    assert bench_report.median_interval([float(i) for i in range(6)]) == (0.0, 5.0, 0.96875)
+
+
+@pytest.mark.parametrize("n", [10, 30])
+def test_median_interval_holds_the_median_as_often_as_it_says(n):
+    # A skewed distribution (exponential: median ln 2, mean 1): nothing assumed about the shape.
+    rng = random.Random(n)
+    trials = 4000
+    hits, coverage = 0, None
+    for _ in range(trials):
+        low, high, coverage = bench_report.median_interval(
+            [rng.expovariate(1.0) for _ in range(n)])
+        hits += low <= math.log(2) <= high
+    assert coverage >= 0.95
+    assert hits / trials == pytest.approx(coverage, abs=0.012)  # ~5 standard errors
+
+
+@pytest.mark.parametrize("ratio, interval, expected", [
+    (0.98, (0.96, 0.99), "met (the interval lies below it)"),
+    (0.99, (0.96, 1.03), "met, but within this run's noise (the interval holds 1.00)"),
+    (1.02, (0.99, 1.05), "MISSED, but within this run's noise (the interval holds 1.00)"),
+    (1.04, (1.01, 1.06), "MISSED (the interval lies above it)"),
+    (1.04, None, "MISSED (too few rounds to tell it from noise)"),
+])
+def test_verdict_says_whether_noise_could_have_decided_it(ratio, interval, expected):
+    target = {"paired_ratio": ratio, "limit": 1.0, "met": ratio <= 1.0, "interval": interval}
+    assert bench_report.verdict(target) == expected
+    assert bench_report.verdict({"ratio": 0.7, "limit": 1.0, "met": True}) == "met"  # memory
 
 
 def test_progress_bar_went_to_stderr(quick):

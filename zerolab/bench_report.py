@@ -6,6 +6,7 @@ report (JSON-ready dict), the table it prints and the PNG it draws.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -54,7 +55,9 @@ def summarize(config: BenchConfig, results: list[list[dict[str, Any]]],
             "step_time": "per round, the slowest rank's time from a barrier to the end of "
                          "zero_grad; median over the timed rounds; strategies rotated per round",
             "ratio": "median step time / the torch counterpart's; paired_ratio (the targets): "
-                     "median over rounds of the two strategies' times in the same round",
+                     "median over rounds of the two strategies' times in the same round; "
+                     "interval: the sign test's distribution-free interval for that median "
+                     "(bench_report.median_interval), interval_confidence its coverage",
             "torch_settings": "DistributedDataParallel(gradient_as_bucket_view=True, "
                               f"bucket_cap_mb={config.bucket_mb:g}); ZeroRedundancyOptimizer("
                               "parameters_as_bucket_view=True); fully_shard on each block, then "
@@ -143,11 +146,14 @@ def _targets(config: BenchConfig, rows: dict[str, dict[str, Any]]) -> list[dict[
             # slows both; the median of their per-round ratios cancels that.
             paired = statistics.median(a / b for a, b in zip(rows[key]["step_times_s"],
                                                              rows[other]["step_times_s"]))
+            interval = median_interval([a / b for a, b in zip(rows[key]["step_times_s"],
+                                                              rows[other]["step_times_s"])])
             rows[key]["ratio_to_counterpart"] = ratio
             rows[key]["paired_ratio_to_counterpart"] = paired
             targets.append({"what": f"{LABELS[key]} step time / {LABELS[other]}",
                             "ratio": ratio, "paired_ratio": paired, "limit": limit,
-                            "met": paired <= limit})
+                            "met": paired <= limit, "interval": interval and interval[:2],
+                            "interval_confidence": interval and interval[2]})
     for key, limit in MEMORY_TARGETS.items():
         other = COUNTERPARTS[key]
         if config.measure and key in rows and other in rows:
@@ -156,6 +162,43 @@ def _targets(config: BenchConfig, rows: dict[str, dict[str, Any]]) -> list[dict[
             targets.append({"what": f"{LABELS[key]} peak memory per rank / {LABELS[other]}",
                             "ratio": ratio, "limit": limit, "met": ratio <= limit})
     return targets
+
+
+# Note: how sure a verdict is. The per-round ratios scatter, and their median moves by a few
+# percent between runs here, so a median of 1.02 against a limit of 1.00 may be a difference or
+# chance. The sign test gives an interval for the median that assumes nothing about how the
+# ratios are distributed, only that the rounds are independent draws: each ratio falls below
+# the true median with probability 1/2, so the count below it, B, is Binomial(n, 1/2), and the
+# j-th smallest and j-th largest ratios enclose the median unless B < j or B > n - j. A machine
+# whose speed drifts during the run makes the rounds a little dependent; pairing the two
+# strategies within each round is what keeps a slow drift out of the ratios themselves.
+def median_interval(values: list[float], confidence: float = 0.95
+                    ) -> tuple[float, float, float] | None:
+    """(low, high, coverage): the narrowest [j-th smallest, j-th largest] of `values` that holds
+    the median of the distribution they were drawn from with probability `coverage` >=
+    `confidence`, whatever that distribution (see the Note above). None if even [min, max] is
+    not that sure (fewer than 6 values at 95%)."""
+    xs, n = sorted(values), len(values)
+    best = None
+    for j in range(1, (n + 1) // 2 + 1):
+        coverage = 1 - 2 * sum(math.comb(n, i) for i in range(j)) / 2**n  # 1 - 2 P(B < j)
+        if coverage < confidence:
+            break
+        best = (xs[j - 1], xs[n - j], coverage)
+    return best
+
+
+def verdict(target: dict[str, Any]) -> str:
+    """"met" / "MISSED", and for step times whether the run's noise could have decided it."""
+    word = "met" if target["met"] else "MISSED"
+    if "paired_ratio" not in target:
+        return word
+    if target["interval"] is None:
+        return f"{word} (too few rounds to tell it from noise)"
+    low, high = target["interval"]
+    if low <= target["limit"] < high:
+        return f"{word}, but within this run's noise (the interval holds {target['limit']:.2f})"
+    return f"{word} (the interval lies {'below' if target['met'] else 'above'} it)"
 
 
 def _in(n: float, scale: float) -> str:
@@ -199,12 +242,14 @@ def format_table(report: dict[str, Any]) -> str:
         out.append(f"note: {cfg['steps']} timed round(s): the timings are indicative only")
     for t in report["targets"]:
         if "paired_ratio" in t:
+            sure = ("" if t["interval"] is None else
+                    f"; {t['interval_confidence']:.0%} interval {t['interval'][0]:.2f}-"
+                    f"{t['interval'][1]:.2f}")
             out.append(f"target {t['what']}: {t['paired_ratio']:.2f} (median of per-round "
-                       f"ratios; ratio of medians {t['ratio']:.2f}) <= {t['limit']:.2f}: "
-                       f"{'met' if t['met'] else 'MISSED'}")
+                       f"ratios{sure}; ratio of medians {t['ratio']:.2f}) <= {t['limit']:.2f}: "
+                       f"{verdict(t)}")
         else:
-            out.append(f"target {t['what']}: {t['ratio']:.2f} <= {t['limit']:.2f}: "
-                       f"{'met' if t['met'] else 'MISSED'}")
+            out.append(f"target {t['what']}: {t['ratio']:.2f} <= {t['limit']:.2f}: {verdict(t)}")
     if measured and any(None not in r["device_peak_bytes_per_rank"] for r in rows):
         out.append(f"CUDA allocator's peak (max_memory_allocated) {unit}/rank, against the "
                    "tracker's peak above: " + ", ".join(
@@ -227,7 +272,10 @@ HOW_TO_READ = """How to read it:
 - step ms: median, over the timed rounds, of the slowest rank's step (forward, backward,
   optimizer step, zero_grad). Other jobs on the machine move it; "vs torch" is the median of
   the per-round ratios to the torch counterpart, which ran in the same round seconds apart:
-  the targets are checked on it.
+  the targets are checked on it. Beside each target, a 95% interval for that median (the
+  sign test's: the j-th smallest to the j-th largest ratio, no assumption on how they
+  scatter): where it holds the limit, this run cannot tell the difference from noise; more
+  rounds (--steps) narrow it.
 - peak: the largest total of live tensor bytes during one step, on the rank with the larger
   one, split at that moment into params/grads/optimizer state/other (activations, gathered
   units, gradient buckets in flight).
