@@ -36,7 +36,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest tests notebooks --nbval $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
-	$(PY) -m ruff check zerolab tests solutions exercises
+	$(PY) -m ruff check zerolab tests solutions exercises notebooks
 
 exercises: $(VENV)/.installed  # regenerate the stubs in exercises/ from solutions/
 	$(PY) -m zerolab.grade --make-exercises

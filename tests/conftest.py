@@ -5,6 +5,8 @@ from pathlib import Path
 import pytest
 from patches import build_folder
 
+from zerolab import grading
+
 TESTS = Path(__file__).resolve().parent
 
 
@@ -29,3 +31,11 @@ def wrong_answers(wrong_root) -> Path:
 def wrong_engines(wrong_root) -> Path:
     """The engine exercises' wrong (and rightly different) engines."""
     return wrong_root / "grading_wrong_engines"
+
+
+@pytest.fixture
+def stubs(tmp_path) -> Path:
+    """Freshly generated stubs, a folder per test (tests change them): the repository's
+    exercises/ may hold a learner's answers."""
+    grading.make_exercises(exercises_dir=tmp_path / "stubs")
+    return tmp_path / "stubs"

@@ -104,13 +104,6 @@ def status_lines(stdout: str) -> dict[str, str]:
     return out
 
 
-@pytest.fixture
-def stubs(tmp_path: Path) -> Path:
-    """Freshly generated stubs (the repository's exercises/ may hold a learner's answers)."""
-    grading.make_exercises(exercises_dir=tmp_path / "stubs")
-    return tmp_path / "stubs"
-
-
 # ---- the exercises themselves -------------------------------------------------------------------
 
 

@@ -100,14 +100,6 @@ def test_every_wrong_engine_on_disk_is_checked():
     assert on_disk == set(CAUGHT)
 
 
-@pytest.fixture(scope="module")
-def stubs(tmp_path_factory) -> Path:
-    """Freshly generated stubs: the repository's exercises/ may hold a learner's answers."""
-    folder = tmp_path_factory.mktemp("stubs")
-    grading.make_exercises(exercises_dir=folder)
-    return folder
-
-
 @pytest.mark.parametrize("ex_id", ENGINES)
 def test_first_hint_is_the_stubs_own_hints_by_method(ex_id, stubs):
     """hint("1.3") starts where the stub does: each method's "Hint:" paragraph, named."""
@@ -164,6 +156,16 @@ def test_an_engine_solved_is_not_drift_but_a_changed_signature_is(tmp_path):
     path.write_text(solved.replace("ZeRO-2: shard the", "ZeRO-2: split the"))
     [problem] = grading.check_exercises(exercises_dir=folder)
     assert "`class ZeRO2Engine:` differs" in problem
+    # An exercise method's docstring edited, or the method renamed; a given method changed.
+    path.write_text(solved.replace('"Exercise 4.2: Zero this', '"Exercise 4.2: Clear this'))
+    [problem] = grading.check_exercises(exercises_dir=folder)
+    assert "the signature or docstring of ZeRO2Engine.zero_grad() differs" in problem
+    path.write_text(solved.replace("def zero_grad(self)", "def zero_grads(self)"))
+    [problem] = grading.check_exercises(exercises_dir=folder)
+    assert "the signature or docstring of ZeRO2Engine.zero_grad() differs" in problem
+    path.write_text(solved.replace("self.module(*args, **kwargs)", "self.module(*args)"))
+    [problem] = grading.check_exercises(exercises_dir=folder)
+    assert "`def __call__(self, *args, **kwargs):` in ZeRO2Engine differs" in problem
 
 
 def test_the_model_has_what_catches_mistakes():

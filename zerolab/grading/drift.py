@@ -50,8 +50,8 @@ def _parts(body: list[ast.stmt], lines: list[str], owner: str) -> list[tuple[str
             continue
         elif is_docstring(node) and not owner:
             name = "the module docstring"
-        else:
-            name = f"`{lines[start - 1].strip()}`"
+        else:  # a given statement: in a class, name the class too (methods share names)
+            name = f"`{lines[start - 1].strip()}`" + (f" in {owner[:-1]}" if owner else "")
         parts.append((name, _join(lines, start, end)))
     return parts
 
