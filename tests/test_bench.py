@@ -105,6 +105,15 @@ def test_cores_busy_is_every_ranks_cpu_time_over_the_steps_wall_time(quick):
         assert f"{bench_report._short_label(row)} {busy:.2f}" in line
 
 
+def test_page_faults_per_step_are_reported(quick):
+    world_size = quick["report"]["config"]["world_size"]
+    for key, row in quick["rows"].items():
+        faults = row["median_page_faults_per_rank"]
+        assert len(faults) == world_size and all(f >= 0 for f in faults), key
+    assert "page faults per step (median, the rank with more): zerolab DDP " in \
+        quick["proc"].stdout
+
+
 def test_model_state_matches_the_formulas(quick):
     """Live bytes after step() against zerolab.theory: padding and Adam's step counters only.
     (torch's ZeroRedundancyOptimizer shards whole parameters: its ranks hold unequal parts.)"""
@@ -133,7 +142,7 @@ def test_targets_are_checked_on_paired_ratios(quick):
         if "paired_ratio" in t:
             assert t["met"] == (t["paired_ratio"] <= t["limit"])
             assert t["interval"] is None  # 2 rounds: no 95% interval for a median exists
-            assert f"{t['what']}: {t['paired_ratio']:.2f}" in table
+            assert f"{t['what']}: {t['paired_ratio']:.3f}" in table
             assert "too few rounds to tell it from noise" in table
 
 

@@ -121,11 +121,14 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
     # 1. Timing: one step of every strategy per round, in rotation, nothing recorded.
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu_times: dict[str, list[float]] = {k: [] for k in keys}  # this process, all its threads
+    page_faults: dict[str, list[int]] = {k: [] for k in keys}  # pages first touched (allocator.py)
     for r in range(rounds):
         x, y = batch(r)
         shift = r % len(keys)
         for key in keys[shift:] + keys[:shift]:
+            faults = minor_page_faults()
             wall, cpu, _ = timed(ctx.device, harness.train_step, engines[key], x, y)
+            page_faults[key].append(minor_page_faults() - faults)
             times[key].append(wall)
             cpu_times[key].append(cpu)
             report(f"{'warm-up' if r < config.warmup else 'step'} {r + 1}/{rounds} {key}")
@@ -146,11 +149,22 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
     expected = engines[reference].full_state_dict()
     diffs = {k: harness.max_diff(engines[k].full_state_dict(), expected) for k in keys}
     report("compare parameters")
-    return {"rank": ctx.rank, "times": times, "cpu_times": cpu_times, "measured": measured,
+    return {"rank": ctx.rank, "times": times, "cpu_times": cpu_times,
+            "page_faults": page_faults, "measured": measured,
             "max_abs_diff": diffs, "reference": reference,
             "params": num_params(model) if ctx.rank == 0 else None,
             "backend": ctx.backend, "device": str(ctx.device),
             "threads": torch.get_num_threads()}
+
+
+def minor_page_faults() -> int:
+    """Page faults this process has taken that needed no disk: mostly a first touch of memory
+    the allocator has just taken from the kernel (which zeroes every page). 0 where unknown."""
+    try:
+        import resource  # Unix only
+    except ImportError:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def timed(device: torch.device, fn: Callable[..., T], *args: Any,

@@ -97,6 +97,8 @@ def _row(config: BenchConfig, key: str, per_rank: list[dict[str, Any]], group: i
         # sensitive than wall time to other jobs on the machine.
         "median_cpu_s_per_rank": [statistics.median(res["cpu_times"][key][i] for i in timed)
                                   for res in per_rank],
+        "median_page_faults_per_rank": [statistics.median(res["page_faults"][key][i]
+                                                          for i in timed) for res in per_rank],
         "max_abs_diff": diff, "matches_reference": diff <= config.atol,
     }
     # Cores kept busy by the step: every rank's CPU seconds over the step's wall seconds.
@@ -242,11 +244,12 @@ def format_table(report: dict[str, Any]) -> str:
         out.append(f"note: {cfg['steps']} timed round(s): the timings are indicative only")
     for t in report["targets"]:
         if "paired_ratio" in t:
+            # Three decimals: at two, a median of 1.004 would read "1.00 ... MISSED".
             sure = ("" if t["interval"] is None else
-                    f"; {t['interval_confidence']:.0%} interval {t['interval'][0]:.2f}-"
-                    f"{t['interval'][1]:.2f}")
-            out.append(f"target {t['what']}: {t['paired_ratio']:.2f} (median of per-round "
-                       f"ratios{sure}; ratio of medians {t['ratio']:.2f}) <= {t['limit']:.2f}: "
+                    f"; {t['interval_confidence']:.0%} interval {t['interval'][0]:.3f}-"
+                    f"{t['interval'][1]:.3f}")
+            out.append(f"target {t['what']}: {t['paired_ratio']:.3f} (median of per-round "
+                       f"ratios{sure}; ratio of medians {t['ratio']:.3f}) <= {t['limit']:.2f}: "
                        f"{verdict(t)}")
         else:
             out.append(f"target {t['what']}: {t['ratio']:.2f} <= {t['limit']:.2f}: {verdict(t)}")
@@ -264,6 +267,8 @@ def format_table(report: dict[str, Any]) -> str:
         out.append(f"cores busy during a step (CPU seconds of every rank / the step's seconds), "
                    f"on {env['cores']} cores: "
                    + ", ".join(f"{_short_label(r)} {r['cores_busy']:.2f}" for r in rows))
+    out.append("page faults per step (median, the rank with more): " + ", ".join(
+        f"{_short_label(r)} {max(r['median_page_faults_per_rank']):,.0f}" for r in rows))
     out.append(HOW_TO_READ)
     return "\n".join(out)
 
@@ -296,7 +301,12 @@ HOW_TO_READ = """How to read it:
   cores, the step is bound by the CPU: on one machine, sending costs CPU time too (the kernel
   copies loopback bytes), so overlapping it with compute hides nothing, and a strategy is as
   fast as the CPU work it does. There ZeRO-3, which sends 1.5x DDP's bytes and does DDP's
-  compute, cannot be much faster than DDP, whatever FSDP2's time."""
+  compute, cannot be much faster than DDP, whatever FSDP2's time.
+- page faults: first touches of memory the C allocator had just taken from the kernel, which
+  zeroes each 4 KiB page. zerolab's ranks keep the memory they free (zerolab.allocator, as a
+  GPU's caching allocator does), so a step in its ranks should take next to none; thousands
+  mean the allocator gives memory back and takes it again every step (ZEROLAB_KEEP_FREED_MEMORY=0,
+  or torchrun on another C library), a cost that falls unevenly on the strategies."""
 
 
 def _load(values: list[float]) -> str:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from zerolab import zygote
+from zerolab.allocator import keep_freed_memory
 from zerolab.spawn import spawn_rank
 
 
@@ -406,6 +407,7 @@ def _worker(workdir: str, rank: int, world_size: int, backend: str, threads: int
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                           LOCAL_WORLD_SIZE=str(world_size))
         torch.set_num_threads(threads)
+        keep_freed_memory()  # reuse freed host memory step after step (allocator.py)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         # Rendezvous through a file in a fresh directory: two launches can never collide.
@@ -461,6 +463,7 @@ def init_from_env(backend: str | None = None, threads: int | None = None) -> Dis
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
         torch.set_num_threads(threads or default_threads(local_world))
+        keep_freed_memory()
         if "MASTER_ADDR" in os.environ:
             dist.init_process_group(backend)
         else:  # a plain `python script.py`: a one-process job
