@@ -18,21 +18,27 @@ import zerolab
 from zerolab import allocator
 
 REPO = Path(__file__).resolve().parent.parent
-NUMEL = 7_000_000  # a flat shard of 28 MB: under glibc's largest mmap threshold (32 MiB)
-PAGES = NUMEL * 4 // 4096  # what one of Adam's temporaries over it spans
+# Flat shards of 28 MB and 48 MB: glibc's defaults would take the second from mmap whatever
+# blocks were freed before (its mmap threshold never rises above 32 MiB).
+SIZES = [7_000_000, 12_000_000]
+
+
+def pages(numel: int) -> int:
+    """The 4 KiB pages one of Adam's temporaries over a (numel,) parameter spans."""
+    return numel * 4 // 4096
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="mallopt and page-fault counts: Linux with glibc")
 
 
-def adam_step_faults() -> list[int]:
-    """Page faults of each of 12 AdamW steps over one flat (NUMEL,) parameter. Each step makes
+def adam_step_faults(numel: int) -> list[int]:
+    """Page faults of each of 12 AdamW steps over one flat (numel,) parameter. Each step makes
     and frees temporaries the size of the parameter (sqrt(v), then a division)."""
     import resource
 
     import torch
 
-    p = torch.nn.Parameter(torch.zeros(NUMEL))
+    p = torch.nn.Parameter(torch.zeros(numel))
     p.grad = torch.ones_like(p)
     optimizer = torch.optim.AdamW([p])
     faults = []
@@ -53,23 +59,27 @@ def settled(faults: list[int]) -> float:
     return statistics.median(faults[2:])  # the first step creates Adam's state
 
 
-def test_a_rank_reuses_what_it_freed(monkeypatch):
+@pytest.mark.parametrize("numel", SIZES)
+def test_a_rank_reuses_what_it_freed(monkeypatch, numel):
     monkeypatch.delenv(allocator.SWITCH, raising=False)
-    assert max(settled(f) for f in zerolab.launch(adam_step_faults, 2)) < PAGES // 100
+    faults = zerolab.launch(adam_step_faults, 2, args=(numel,))
+    assert max(settled(f) for f in faults) < pages(numel) // 100
 
 
-def test_with_the_switch_off_the_pages_are_faulted_in_again(monkeypatch):
+@pytest.mark.parametrize("numel", SIZES)
+def test_with_the_switch_off_the_pages_are_faulted_in_again(monkeypatch, numel):
     # glibc's defaults: a temporary's block goes back to the kernel when it is freed, and its
     # pages come back zeroed at the next step (half of one temporary's, measured). This is
     # what the test above would see if the ranks did not keep freed memory.
     monkeypatch.setenv(allocator.SWITCH, "0")
-    assert min(max(f[1:6]) for f in zerolab.launch(adam_step_faults, 2)) > PAGES // 4
+    faults = zerolab.launch(adam_step_faults, 2, args=(numel,))
+    assert min(max(f[1:6]) for f in faults) > pages(numel) // 4
 
 
 def test_a_process_torchrun_started_keeps_freed_memory_too():
     script = ("import zerolab, test_allocator as t\n"
               "zerolab.init_from_env()\n"
-              "print(t.settled(t.adam_step_faults()))\n")
+              f"print(t.settled(t.adam_step_faults({SIZES[-1]})))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     env.pop(allocator.SWITCH, None)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -77,7 +87,7 @@ def test_a_process_torchrun_started_keeps_freed_memory_too():
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           env=env, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
-    assert float(proc.stdout.split()[-1]) < PAGES // 100
+    assert float(proc.stdout.split()[-1]) < pages(SIZES[-1]) // 100
 
 
 def test_the_switch_and_other_platforms_leave_malloc_alone(monkeypatch):
