@@ -14,6 +14,10 @@ from zerolab import checkpoint, harness
 MICRO = 4  # micro-batches per step
 ACC_STEPS = 3
 MAX_NORM = 0.05  # small enough that every step clips
+# Checkpoints are written and read with the optimizer stepping tiles of 7 elements (tiles.py),
+# so that the state saved is joined from tiles and loaded into tiles again (a master is cut
+# otherwise only past 2^18 elements, which the tests' models have none of).
+CHECKPOINT_TILE = 7
 
 
 def _rank():
@@ -162,20 +166,23 @@ def train_steps(engine, model, steps: range) -> None:
 
 
 def save_after(strategy: str, kind: str, folder: str, steps: int) -> None:
-    model, engine = _engine(strategy, kind, seed=dist.get_rank())
+    model, engine = _engine(strategy, kind, seed=dist.get_rank(),
+                            optimizer_tile_numel=CHECKPOINT_TILE)
     train_steps(engine, model, range(steps))
     checkpoint.save(engine, folder)
 
 
 def resume(strategy: str, kind: str, folder: str, first: int, last: int) -> dict:
-    model, engine = _engine(strategy, kind, seed=dist.get_rank() + 7)  # weights get overwritten
+    model, engine = _engine(strategy, kind, seed=dist.get_rank() + 7,  # weights get overwritten
+                            optimizer_tile_numel=CHECKPOINT_TILE)
     checkpoint.load(engine, folder)
     train_steps(engine, model, range(first, last))
     return engine.full_state_dict()
 
 
 def uninterrupted(strategy: str, kind: str, steps: int) -> dict:
-    model, engine = _engine(strategy, kind, seed=dist.get_rank())
+    model, engine = _engine(strategy, kind, seed=dist.get_rank(),
+                            optimizer_tile_numel=CHECKPOINT_TILE)
     train_steps(engine, model, range(steps))
     return engine.full_state_dict()
 
@@ -211,3 +218,27 @@ def save_train_resume(strategies: list[str], kind: str, root: str) -> dict:
 def resume_all(strategies: list[str], kind: str, root: str, loader: str | None = None) -> dict:
     """Resume each strategy's checkpoint (optionally into another stage) at this world size."""
     return {s: resume(loader or s, kind, os.path.join(root, s), 2, 5) for s in strategies}
+
+
+# ---- optimizer tiles -----------------------------------------------------------------------------
+
+def tiled_against_whole(strategies: list[str], kind: str = "gpt") -> dict:
+    """Each strategy trained 3 steps with tiles of 5 elements and with whole masters."""
+    runs = {}
+    for strategy in strategies:
+        states, counts = [], []
+        for tile_numel in (5, None):
+            model, engine = _engine(strategy, kind, optimizer_tile_numel=tile_numel)
+            train_steps(engine, model, range(3))
+            states.append(engine.full_state_dict())
+            counts.append(len(engine.optimizer.param_groups[0]["params"]))
+        runs[strategy] = (*states, *counts)
+    # A weight of 360,000 elements, more than a tile on a CPU: cut by default.
+    big = zerolab.DDP(torch.nn.Linear(600, 600), torch.optim.AdamW, lr=W.LR)
+    return {"runs": runs, "default_tile_numel": _tile_numel(big.tiles)}
+
+
+def _tile_numel(tiles) -> int | None:
+    """The largest tile of a cut master (the tile size, where a master is cut)."""
+    cut = [b - a for m, ts in zip(tiles.masters, tiles.tiles) for t, a, b in ts if t is not m]
+    return max(cut, default=None)

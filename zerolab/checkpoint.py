@@ -63,7 +63,8 @@ def pieces(engine) -> list[Piece]:
         if slot.layout is None and engine.rank != 0:
             continue
         start = 0 if slot.layout is None else slot.layout.shard_range(engine.rank)[0]
-        tensors, scalars = _optimizer_state(engine.optimizer, master)
+        tensors, scalars = _optimizer_state(engine.tiles.state(engine.optimizer, master),
+                                            master.numel())
         # The layout keeps the shapes: ZeRO-3's parameters are empty at rest.
         shapes = [tuple(p.shape) for p in slot.params] if slot.layout is None else [
             tuple(s) for s in slot.layout.shapes]
@@ -73,11 +74,12 @@ def pieces(engine) -> list[Piece]:
     return out
 
 
-def _optimizer_state(optimizer: torch.optim.Optimizer, param: torch.Tensor):
-    """Split one optimizer parameter's state into per-element tensors and scalars."""
+def _optimizer_state(state: dict, numel: int):
+    """Split one master's optimizer state (tiles.py joins its tiles') into per-element tensors
+    and scalars."""
     tensors, scalars = {}, {}
-    for key, value in optimizer.state.get(param, {}).items():
-        if torch.is_tensor(value) and value.numel() == param.numel() and value.dim() > 0:
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.numel() == numel and value.dim() > 0:
             tensors[key] = value.detach().reshape(-1).clone()
         else:
             scalars[key] = value.clone() if torch.is_tensor(value) else value
@@ -234,8 +236,7 @@ def load_full(engine, full: dict) -> None:
         state = _slot_optimizer_state(optimizer_state, [names[p] for p in slot.params], slot,
                                       engine.rank)
         if state:
-            engine.optimizer.state[master] = {k: v.view_as(master) if torch.is_tensor(v) and
-                                              v.dim() > 0 else v for k, v in state.items()}
+            engine.tiles.load_state(engine.optimizer, master, state)
 
 
 def _slot_optimizer_state(optimizer_state: dict[str, dict], names: list[str], slot,
