@@ -9,6 +9,7 @@ a rank); `_result_from` turns it into a Result.
 
 from __future__ import annotations
 
+import os
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,8 +142,13 @@ class Report:
 
 
 def _shown(path: Path) -> str:
-    """`path` relative to the working directory when it is below it."""
+    """`path` relative to the working directory when it shares the same parent tree (a notebook
+    in notebooks/ shows ../exercises, not this machine's absolute path), else as it is."""
+    full, here = path.resolve(), Path.cwd().resolve()
     try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
+        return str(full.relative_to(here))
     except ValueError:
-        return str(path)
+        pass
+    if full.parent == here.parent:  # a sibling folder: exercises/ seen from notebooks/
+        return os.path.join("..", full.name)
+    return str(path)
