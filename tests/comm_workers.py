@@ -45,6 +45,8 @@ def one_at_a_time(numel):
         "all_reduce": lambda: comm.all_reduce(full, tag="wire/all_reduce"),
         "all_gather": lambda: comm.all_gather(full, shard, tag="wire/all_gather"),
         "reduce_scatter": lambda: comm.reduce_scatter(shard, full, tag="wire/reduce_scatter"),
+        "reduce_scatter_async": lambda: async_with_user_writes(
+            lambda: comm.reduce_scatter(shard, full, tag="wire/rs_async", async_op=True)),
         "broadcast_from_0": lambda: comm.broadcast(full, 0, tag="wire/broadcast_from_0"),
         "broadcast_from_last": lambda: comm.broadcast(full, n - 1,
                                                       tag="wire/broadcast_from_last"),
@@ -58,13 +60,24 @@ def one_at_a_time(numel):
     return out
 
 
+def async_with_user_writes(issue) -> None:
+    """Issue an async collective, print and write a file while it is in flight, then wait. gloo
+    writes much of a send/recv from the calling thread, inside the issue or the wait: those
+    bytes are the collective's; the print and the file in between are not."""
+    handle = issue()
+    print("in flight " + "." * 500, flush=True)
+    with tempfile.TemporaryDirectory() as tmp, open(os.path.join(tmp, "f.bin"), "wb") as f:
+        f.write(b"\0" * (1 << 20))
+    handle.wait()
+
+
 def torch_natives(numel):
     """torch's own gloo all-gather and reduce-scatter, measured from outside (no recorder)."""
     n = dist.get_world_size()
     full, shard = torch.ones(numel), torch.ones(numel // n)
     return {
-        "all_gather": outer(lambda: backends._all_gather_single(full, shard))["process"],
-        "reduce_scatter": outer(lambda: backends._reduce_scatter_single(shard, full))["process"],
+        "all_gather": outer(lambda: backends.torch_all_gather(full, shard))["process"],
+        "reduce_scatter": outer(lambda: backends.torch_reduce_scatter(shard, full))["process"],
     }
 
 
@@ -105,3 +118,39 @@ def in_a_subgroup(numel):
         if dist.get_rank() in (0, 1):
             comm.all_reduce(torch.ones(numel), tag="wire/pair", group=pair)
     return log
+
+
+def reduce_scatter_variants():
+    """zerolab's gloo reduce-scatter in the ways the engines call it: into a separate tensor,
+    in place (ZeRO-1: the output is this rank's own chunk of the input), asynchronously with
+    another collective in flight, and with MAX (which still runs as an all-reduce)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = 5
+    base = torch.arange(n * k, dtype=torch.float32)  # (n * k,)
+    mine = base[rank * k:(rank + 1) * k]
+    out = {}
+    with comm.record_comm() as log:
+        separate = torch.empty(k)
+        comm.reduce_scatter(separate, base * (rank + 1), tag="v/separate")
+        out["separate"] = separate
+        full = base * (rank + 1)
+        own = full[rank * k:(rank + 1) * k]  # a view: reduced in place
+        comm.reduce_scatter(own, full, op="avg", tag="v/in_place")
+        out["in_place"] = own.clone()
+        out["in_place_rest_untouched"] = torch.equal(
+            torch.cat([full[:rank * k], full[(rank + 1) * k:]]),
+            torch.cat([(base * (rank + 1))[:rank * k], (base * (rank + 1))[(rank + 1) * k:]]))
+        a, b = torch.empty(k), torch.empty(k)
+        ha = comm.reduce_scatter(a, base + rank, tag="v/async.a", async_op=True)
+        gathered = torch.empty(n * 2)
+        hg = comm.all_gather(gathered, torch.full((2,), float(rank)), tag="v/ag", async_op=True)
+        hb = comm.reduce_scatter(b, base - rank, tag="v/async.b", async_op=True)
+        for h in (hb, hg, ha):
+            h.wait()
+        out["async.a"], out["async.b"], out["gathered"] = a, b, gathered
+        biggest = torch.empty(k)
+        comm.reduce_scatter(biggest, base * (1 if rank == n - 1 else -1), op="max", tag="v/max")
+        out["max"] = biggest
+    out["impl"] = {e.tag: e.impl for e in log.events}
+    out["mine"] = mine
+    return out

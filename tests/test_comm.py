@@ -237,7 +237,9 @@ def wire_results(suite):
 def test_every_event_says_what_ran_in_which_group_and_what_it_wrote(suite):
     n, results = suite
     impl = {"all_reduce": "all_reduce (gloo)", "broadcast": "broadcast (gloo)",
-            "reduce_scatter": "reduce_scatter as all_reduce (gloo)",
+            "reduce_scatter": "reduce_scatter as all_reduce (gloo)" if n == 1 else
+            f"reduce_scatter as {'1 send/recv pair' if n == 2 else f'{n - 1} send/recv pairs'}"
+            " (gloo)",
             "all_gather": f"all_gather as {n} broadcast{'s' if n > 1 else ''} (gloo)",
             "send": "send (gloo)", "recv": "recv (gloo)"}
     for r in results:
@@ -256,27 +258,32 @@ def test_every_event_says_what_ran_in_which_group_and_what_it_wrote(suite):
             assert log.total_wire_bytes() == 0  # one rank writes nothing
 
 
-@pytest.mark.parametrize("op", ["all_reduce", "all_gather"])
+@pytest.mark.parametrize("op", ["all_reduce", "all_gather", "reduce_scatter"])
 def test_measured_bytes_match_the_ring_formula(suite, op):
     n, ranks = wire_results(suite)
     for w in ranks:
         e, outer = w["ops"][op]["event"], w["ops"][op]["outer"]
-        assert e.ring_bytes == round({"all_reduce": 2, "all_gather": 1}[op] * (n - 1) / n * S)
+        factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[op]
+        assert e.ring_bytes == round(factor * (n - 1) / n * S)
         assert near(e.wire_bytes, e.ring_bytes, 0.02), (e.wire_bytes, e.ring_bytes)
         # alone and synchronous: the event's window is what was counted around the call (but
         # for a gloo control message or two landing on either side of its boundaries)
         assert e.wire_exact and abs(e.wire_bytes - outer) <= 1e-3 * S
 
 
-def test_gloo_reduce_scatter_sends_an_all_reduce(suite):
-    """zerolab runs it as an all-reduce: twice the ring figure, as much as torch's own sends."""
+def test_gloo_reduce_scatter_sends_half_what_torchs_own_sends(suite):
+    """torch's gloo reduce-scatter all-reduces (twice the ring figure); zerolab's sends each
+    chunk straight to its owner: the ring figure, half as much."""
     n, ranks = wire_results(suite)
     for w in ranks:
         rs, ar = w["ops"]["reduce_scatter"]["event"], w["ops"]["all_reduce"]["event"]
-        assert rs.impl == "reduce_scatter as all_reduce (gloo)"
-        assert near(rs.wire_bytes, ar.wire_bytes, 0.02)
-        assert near(rs.wire_bytes, 2 * rs.ring_bytes, 0.02)
-        assert near(w["native"]["reduce_scatter"], rs.wire_bytes, 0.02)  # torch's gloo rs
+        assert "send/recv pair" in rs.impl
+        # issued async, with the user's 1 MiB file and a print while it was in flight: the ring
+        # figure still, the bytes gloo wrote from the calling thread in, the user's out
+        rs_async = w["ops"]["reduce_scatter_async"]["event"]
+        assert near(rs_async.wire_bytes, rs.ring_bytes, 0.02), (rs_async.wire_bytes, rs.ring_bytes)
+        assert near(w["native"]["reduce_scatter"], ar.wire_bytes, 0.02)  # torch's: an all-reduce
+        assert near(2 * rs.wire_bytes, w["native"]["reduce_scatter"], 0.03)
 
 
 def test_all_gather_as_broadcasts_sends_the_ring_figure_like_torchs_own(suite):
@@ -441,3 +448,25 @@ def test_the_old_names_still_work():
         e.sent_bytes = 7  # read-only: ring_bytes is the field
     log = comm.CommLog(0, 2, events=[e])
     assert log.total_bytes() == log.total_ring_bytes() == 6
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_reduce_scatter_by_sends_in_place_async_and_max(n):
+    """The engines' ways of calling it: ZeRO-1 reduces in place (the output is its own chunk
+    of the input, whose other chunks must be left as they were), ZeRO-2/3 into a separate
+    tensor, asynchronously beside other collectives; MAX is not a sum and all-reduces."""
+    results = zerolab.launch(comm_workers.reduce_scatter_variants, n)
+    total = n * (n + 1) // 2  # sum of (rank + 1)
+    for r in results:
+        mine = r["mine"]
+        assert torch.equal(r["separate"], mine * total)
+        assert torch.equal(r["in_place"], mine * total / n)
+        assert r["in_place_rest_untouched"]
+        assert torch.equal(r["async.a"], mine * n + total - n)  # sum of (base + rank)
+        assert torch.equal(r["async.b"], mine * n - (total - n))
+        assert r["gathered"].tolist() == [float(q) for q in range(n) for _ in range(2)]
+        assert torch.equal(r["max"], mine)
+        pairs = "1 send/recv pair" if n == 2 else f"{n - 1} send/recv pairs"
+        assert r["impl"]["v/separate"] == r["impl"]["v/in_place"] == \
+            f"reduce_scatter as {pairs} (gloo)"
+        assert r["impl"]["v/max"] == "reduce_scatter as all_reduce (gloo)"

@@ -167,16 +167,19 @@ def test_bytes_per_rank_match_the_ring_formulas(at4, n):
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_wire_bytes_match_what_ran(at4, n):
     s = 4 * BYTES_NUMEL
-    ran_as = {"all_reduce": 2, "reduce_scatter": 2, "all_gather": 1, "rs+ag": 3,
-              "ring all_gather": 1}  # gloo: a reduce-scatter runs as an all-reduce
+    ran_as = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "rs+ag": 2,
+              "ring all_gather": 1}  # zerolab's reduce-scatter: N-1 send/recv pairs
+    pairs = "1 send/recv pair" if n == 2 else f"{n - 1} send/recv pairs"
     for r in (r for r in at4 if n in r["tour"].bytes):
         logs = r["tour"].bytes[n]
         assert {e.impl for e in logs["reduce_scatter"].events} == {
-            "reduce_scatter as all_reduce (gloo)"}
+            f"reduce_scatter as {pairs} (gloo)"}
         assert {e.impl for e in logs["all_gather"].events} == {
             f"all_gather as {n} broadcasts (gloo)"}
         for op, k in ran_as.items():
             assert 1 <= logs[op].total_wire_bytes() / (k * (n - 1) * s / n) < 1.03, op
+        # torch's own gloo reduce-scatter all-reduces a copy: twice the ring figure
+        assert 1 <= r["tour"].torch_reduce_scatter[n] / (2 * (n - 1) * s / n) < 1.03
 
 
 def test_timeline_log_has_three_phases_and_every_call(at4):
@@ -206,7 +209,11 @@ def test_zero1_and_naive_train_the_same_model_as_ddp(at4):
             assert list(runs) == list(STAGES)
             for stage in STAGES:
                 assert runs[stage].group == list(range(rank // n * n, rank // n * n + n))
-                assert max_diff(runs[stage].state, runs["ddp"].state) <= 1e-6, (n, stage)
+                # the same sums in the same order, but ZeRO-1's reduce-scatter at N = 4 (it
+                # adds the ranks' chunks in another order than DDP's ring all-reduce)
+                exact = n <= 2 or stage != "zero1"
+                diff = max_diff(runs[stage].state, runs["ddp"].state)
+                assert diff == 0 if exact else 0 < diff <= 1e-5, (n, stage, diff)
                 assert max_diff(runs[stage].state, single) <= 1e-5, (n, stage)
 
 
@@ -288,12 +295,14 @@ def test_accumulation_trades_bytes_against_gradient_memory(at4):
         assert runs["zero2", False].held["grads"] == PSI
         for a in runs.values():
             assert max_diff(a.state, runs["zero1", True].state) <= 1e-5
-            assert a.log.total_wire_bytes() > a.log.total_ring_bytes()  # gloo: rs = all-reduce
+            # zerolab's reduce-scatter and all-gather send the ring figure, plus headers
+            ring = a.log.total_ring_bytes()
+            assert ring <= a.log.total_wire_bytes() <= 1.05 * ring
 
 
-def test_zero1_wire_bytes_show_gloos_reduce_scatter_as_an_all_reduce(at4):
+def test_zero1_wire_bytes_are_the_ring_figures(at4):
     for r in at4:
         log = r["zero1"].stages[4]["zero1"].log
         wire, ring = log.wire_bytes_by_op(), log.bytes_by_op()
-        assert 2 <= wire["reduce_scatter"] / ring["reduce_scatter"] < 2.1
+        assert 1 <= wire["reduce_scatter"] / ring["reduce_scatter"] < 1.03
         assert 1 <= wire["all_gather"] / ring["all_gather"] < 1.03

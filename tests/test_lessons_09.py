@@ -69,8 +69,14 @@ def test_hsdp_sends_only_the_replicas_all_reduce_across(runs):
 
 
 def test_world_collectives_cross_as_gloo_routes_them(runs):
-    for op, share in (("all_gather", lesson.GATHER_SHARE), ("all_reduce", lesson.ALL_REDUCE_SHARE)):
+    for op, share in (("all_gather", lesson.GATHER_SHARE),
+                      ("reduce_scatter", lesson.REDUCE_SCATTER_SHARE),
+                      ("all_reduce", lesson.ALL_REDUCE_SHARE)):
         assert lesson.share_across([r.world[op] for r in runs]) == pytest.approx(share, abs=0.01)
+    # the reduce-scatter sends every other rank one chunk: the same bytes to each peer
+    for r in runs:
+        sent = r.world["reduce_scatter"]
+        assert len(sent) == N - 1 and max(sent.values()) <= min(sent.values()) * 1.05
     # the all-reduce's ring runs downwards: ranks 0 and 2 send theirs to the other node
     for rank, r in enumerate(runs):
         biggest = max(r.world["all_reduce"], key=r.world["all_reduce"].get)

@@ -10,8 +10,12 @@ belong to what ran:
   every rank takes every position in the tree once, so each rank sends (N-1) shards: the ring
   all-gather's (N-1)/N·S exactly.
 - reduce-scatter on gloo: gloo has none of its own (torch's gloo reduce-scatter all-reduces a
-  copy of the input and keeps one chunk), so zerolab all-reduces, in place when the caller will
-  not read the input again. Bytes: an all-reduce's 2(N-1)/N·S, twice the ring reduce-scatter's.
+  copy of the input and keeps one chunk: an all-reduce's 2(N-1)/N·S bytes, twice the ring
+  reduce-scatter's). zerolab sends each chunk straight to the rank that owns it instead: rank r
+  sends chunk j to rank j and receives chunk r from each other rank (N-1 send/recv pairs, all
+  in flight at once), then adds what it received to its own chunk. Bytes: (N-1)/N·S, the ring
+  figure exactly; measured, it takes about half the time and CPU of the all-reduce. A MAX or
+  MIN reduce-scatter still all-reduces (and so does one rank alone, which sends nothing).
 - everything else, and every op on NCCL: torch's own collective.
 
 Each public collective in zerolab.comm asks this module once for a `Plan` and runs it.
@@ -27,8 +31,8 @@ import torch.distributed as dist
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to all_gather_single /
 # reduce_scatter_single and warns on the old names; torch 2.6 only has the old ones.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+torch_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+torch_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 LOCAL = "local (one process, no group)"
 
@@ -77,7 +81,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
         return Plan(f"all_gather as {broadcasts} (gloo)", 1.0,
                     lambda: _all_gather_by_broadcasts(output, input, group, async_op))
     return Plan(f"all_gather ({dist.get_backend(group)})", 1.0,
-                lambda: _all_gather_single(output, input, group=group, async_op=async_op))
+                lambda: torch_all_gather(output, input, group=group, async_op=async_op))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, red: dist.ReduceOp,
@@ -86,12 +90,17 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, red: dist.ReduceOp
     """input: (world_size * k,) on every rank; output: (k,), this rank's chunk of the reduction."""
     if not dist.is_initialized():
         return Plan(LOCAL, 1.0, lambda: _copy_locally(output, input))
+    n = dist.get_world_size(group)
+    if _is_gloo(group) and red == dist.ReduceOp.SUM and n > 1:
+        pairs = "1 send/recv pair" if n == 2 else f"{n - 1} send/recv pairs"
+        return Plan(f"reduce_scatter as {pairs} (gloo)", 1.0,
+                    lambda: _reduce_scatter_by_sends(output, input, group, async_op))
     if _is_gloo(group):
         return Plan("reduce_scatter as all_reduce (gloo)", 2.0,
                     lambda: _reduce_scatter_by_all_reduce(output, input, red, group, async_op,
                                                           scratch_input))
     return Plan(f"reduce_scatter ({dist.get_backend(group)})", 1.0,
-                lambda: _reduce_scatter_single(output, input, op=red, group=group,
+                lambda: torch_reduce_scatter(output, input, op=red, group=group,
                                                async_op=async_op))
 
 
@@ -128,6 +137,39 @@ def _reduce_scatter_by_all_reduce(output: torch.Tensor, input: torch.Tensor, red
     work = dist.all_reduce(buffer, op=red, group=group, async_op=True)
     own = buffer.view(-1)[rank * k:(rank + 1) * k]  # (k,)
     return _finish_or_return(Joined([work], lambda: output.view(-1).copy_(own)), async_op)
+
+
+# gloo matches point-to-point messages by (peer, tag) in the order they are posted, and every
+# rank issues its collectives in the same order: one tag of zerolab's own keeps these apart
+# from a lesson's hand-written sends (tag 0) without numbering each call.
+_REDUCE_SCATTER_TAG = 0x7A5C
+
+
+def _reduce_scatter_by_sends(output: torch.Tensor, input: torch.Tensor, group,
+                             async_op: bool) -> Joined | None:
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    chunks = input.view(n, -1)  # (world_size, k): chunk j is rank j's to reduce
+    out = output.view(-1)  # (k,)
+    # ZeRO-1 reduces in place: its output is its own chunk of the input. Otherwise the first
+    # peer's chunk lands in the output itself, and only the others need scratch rows.
+    in_place = out.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
+    peers = [(rank + i) % n for i in range(1, n)]  # rank + 1 first: no two ranks wait on one
+    scratch = torch.empty(len(peers) - (0 if in_place else 1), out.numel(),
+                          dtype=out.dtype, device=out.device)  # (n - 1 or n - 2, k)
+    landing = list(scratch) if in_place else [out, *scratch]
+    works = []
+    for peer, into in zip(peers, landing):
+        global_peer = peer if group is None else dist.get_global_rank(group, peer)
+        works.append(dist.isend(chunks[peer], global_peer, group=group, tag=_REDUCE_SCATTER_TAG))
+        works.append(dist.irecv(into, global_peer, group=group, tag=_REDUCE_SCATTER_TAG))
+
+    def add() -> None:
+        if not in_place:
+            out.add_(chunks[rank])
+        for row in scratch:
+            out.add_(row)
+
+    return _finish_or_return(Joined(works, add), async_op)
 
 
 def _all_gather_by_broadcasts(output: torch.Tensor, input: torch.Tensor, group,

@@ -12,7 +12,7 @@ record, per call (a `CommEvent`):
   byte counter (zerolab.wire) over the call's window; None where it cannot be measured (NCCL,
   not Linux), where a notebook then shows the ring model;
 - `impl`: what ran (zerolab.backends): on gloo an all-gather runs as N broadcasts and a
-  reduce-scatter as an all-reduce, which sends twice the ring figure;
+  reduce-scatter as N-1 send/recv pairs, both at the ring figure;
 - `group_ranks`: the global ranks of the group it ran in.
 
 Usage, inside a worker:
@@ -161,10 +161,12 @@ class CommLog:
 # when the recorder sees the completion (Handle.wait()), which can be later than the last byte.
 #
 # Other writes must stay out. gloo writes collectives from its own threads (pt_gloo_runloop and
-# gloo_tcp_loop, measured), send/recv partly from the calling thread. While a synchronous call
-# blocks the recording thread, everything the process writes is taken (that thread cannot print
-# meanwhile); while only async calls are open, that thread runs user code that may print or save
-# files, so its own writes are left out (process counter minus its thread counter). What cannot
+# gloo_tcp_loop, measured), send/recv partly from the calling thread (measured: the whole of an
+# isend whose receive was already posted). While the recording thread is inside a zerolab call
+# (a synchronous one, or issuing or waiting for an async one), everything the process writes is
+# taken (that thread cannot print meanwhile); while it is outside one with async calls open, it
+# runs user code that may print or save files, so its own writes are left out (process counter
+# minus its thread counter). What cannot
 # be told apart: another thread of the user's that writes (a logger thread) during a window;
 # bytes of a collective issued before the block began, or from another thread than the one that
 # opened it; and bytes not written by the process at all (NCCL: DMA, so wire_bytes is None).
@@ -188,6 +190,7 @@ class _Recording:
     thread: int  # native id of the thread that opened the block: whose writes are the user's
     last: wire.Written | None
     open: list[_Open] = field(default_factory=list)
+    inside: int = 0  # > 0 while that thread is inside a zerolab call: its writes are collectives'
 
     def advance(self, now: wire.Written | None) -> None:
         """Give what was written since the previous boundary to the events open in between."""
@@ -200,7 +203,7 @@ class _Recording:
                 o.event.wire_bytes = None
             return
         written = now.process - last.process
-        if not any(o.blocking for o in self.open):
+        if not self.inside and not any(o.blocking for o in self.open):
             written -= now.thread - last.thread  # the user's prints and saves meanwhile
         for o, share in zip(measured, _split(written, [o.weight for o in measured])):
             o.event.wire_bytes += share
@@ -222,6 +225,22 @@ def _split(total: int, weights: list[float]) -> list[int]:
 # function taking a log argument, the same way torch.profiler sees every kernel. The recordings
 # in progress are this module's one piece of state; nothing else in zerolab keeps globals.
 _active: list[_Recording] = []
+
+
+@contextlib.contextmanager
+def _inside_zerolab() -> Iterator[None]:
+    """The calling thread is in zerolab's code (issuing a collective, or waiting for one): what
+    it writes meanwhile belongs to the collectives, not to the user (see the Note above)."""
+    mine = [rec for rec in _active if rec.thread == threading.get_native_id()]
+    _boundary(_active)  # the interval before: the user's code, its writes left out
+    for rec in mine:
+        rec.inside += 1
+    try:
+        yield
+    finally:
+        _boundary(_active)
+        for rec in mine:
+            rec.inside -= 1
 
 
 def _boundary(recordings: list[_Recording]) -> None:
@@ -310,9 +329,10 @@ class Handle:
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
-            self._work = None
-            self._finish()
+            with _inside_zerolab():
+                self._work.wait()
+                self._work = None
+                self._finish()
 
 
 def _open_events(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
@@ -350,7 +370,8 @@ def _close_events(opened: list[tuple[_Recording, _Open]]) -> None:
 def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
            plan: backends.Plan, then: Callable[[], object] | None = None, src: int = 0) -> Handle:
     opened = _open_events(op, tag, tensor, group, async_op, plan, src)
-    work = plan.call()
+    with _inside_zerolab():
+        work = plan.call()
 
     def finish() -> None:
         if then is not None:
@@ -385,10 +406,11 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, tag: str, op: s
                    scratch_input: bool = False) -> Handle:
     """input: (world_size * k,) on every rank; output: (k,), rank r's chunk of the reduction.
 
-    gloo has no reduce-scatter of its own: zerolab all-reduces (zerolab.backends), in place when
-    the caller says it will not read `input` again (scratch_input=True), else on a copy. The
-    event's ring_bytes is the reduce-scatter's ring figure (the algorithm's cost); its
-    wire_bytes and impl show what gloo sent: an all-reduce's, twice as much.
+    gloo has no reduce-scatter of its own: zerolab sends chunk j of `input` straight to rank j
+    and adds the chunks it receives to its own (zerolab.backends); `output` may be this rank's
+    own chunk of `input` (reduced in place). The event's wire_bytes are then the ring figure.
+    A MAX or MIN reduce-scatter all-reduces instead, in place when the caller says it will not
+    read `input` again (scratch_input=True), else on a copy.
     """
     red = _OPS["sum" if op == "avg" else op]
     plan = backends.reduce_scatter(output, input, red, group, async_op, scratch_input)

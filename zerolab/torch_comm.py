@@ -37,6 +37,8 @@ C10D_OPS = {
     "_reduce_scatter_base_": ("reduce_scatter", 1),
     "reduce_scatter_": ("reduce_scatter", 1),  # input: [[N tensors]]
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "send": ("send", 0),  # point-to-point (zerolab's gloo reduce-scatter is made of these)
+    "recv_": ("recv", 0),
     "barrier": ("barrier", None),
 }
 

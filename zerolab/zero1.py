@@ -8,8 +8,9 @@ What changes from DDP (ddp.py):
   instead of 8Ψ. Parameters (4Ψ) and gradients (4Ψ) stay full: 8Ψ + 8Ψ/N in all.
 - Each bucket's full gradient is reduce-scattered as soon as backward has produced it, as DDP
   all-reduces it (each rank receives the average of its own shard only: Ψ elements sent per
-  rank in total, not the 2Ψ of all-reduce); every rank updates its shard, and the parameters
-  are all-gathered (Ψ): 2Ψ per step, like DDP.
+  rank in total, not the 2Ψ of all-reduce), one bucket at a time (on gloo the chunks a rank
+  receives wait in scratch memory, (N-1)/N of a bucket, until added to its own); every rank
+  updates its shard, and the parameters are all-gathered (Ψ): 2Ψ per step, like DDP.
 - prefetch (default): the all-gathers are issued at the end of step() without waiting; each
   module waits, in a forward pre-hook, only for the buckets holding its own parameters, so the
   gather overlaps the next forward. `ZeRO1AfterBackward` keeps the schedule as the paper draws
@@ -95,6 +96,9 @@ class ZeRO1(DDP):
         """Reduce-scatter, in place: this rank's shard of flat_grad receives the average of
         everyone's gradients for it. It stays inside flat_grad (the rest of which is now stale
         and unused), so that gradients still take 4Ψ, not 4Ψ + 4Ψ/N, and nothing is copied."""
+        # One bucket at a time: on gloo the chunks sent to this rank land in scratch memory,
+        # (N-1)/N of a bucket, until they are added to its own (zerolab.backends).
+        self._wait_pending()
         bucket.reduced = True
         own = shard(bucket.flat_grad, bucket.layout, self.rank)  # (shard_numel,) a view
         handle = comm.reduce_scatter(own, bucket.flat_grad, op="avg",

@@ -12,13 +12,14 @@ can be compared exactly. The results come back as the dataclasses below.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import comm
+from zerolab import backends, comm, wire
 from zerolab.comm import CommLog
 
 Ints = list[int | None]  # a tensor of small integers as a list; None: a slot not received yet
@@ -44,6 +45,7 @@ class CollectivesTour:
     rank: int  # global rank, of 4
     example: ArticleExample | None  # ranks 0-2: the 3-rank example; None on rank 3
     bytes: dict[int, dict[str, CommLog]]  # k -> `bytes_experiment`'s logs in ranks 0..k-1
+    torch_reduce_scatter: dict[int, int | None]  # k -> bytes torch's own gloo rs wrote here
     timeline: CommLog  # `timeline_experiment` on all 4 ranks
 
 
@@ -154,6 +156,20 @@ def bytes_experiment(group: dist.ProcessGroup, numel: int, device: torch.device
     return logs
 
 
+def torch_reduce_scatter_bytes(group: dist.ProcessGroup, numel: int, device: torch.device
+                               ) -> int | None:
+    """Bytes this rank wrote to its sockets during torch's own reduce-scatter (not zerolab's)
+    of S = 4 * numel bytes, read from the kernel's counter around the call (None: no counter).
+    The ranks meet at a barrier first, so that its few bytes fall outside the window."""
+    n = dist.get_world_size(group)
+    full, part = torch.ones(numel, device=device), torch.empty(numel // n, device=device)
+    comm.barrier(tag="lesson02/bytes/torch_rs_start", group=group)
+    before = wire.read(threading.get_native_id())
+    backends.torch_reduce_scatter(part, full, group=group)
+    after = wire.read(threading.get_native_id())
+    return None if before is None or after is None else after.process - before.process
+
+
 def timeline_experiment(group: dist.ProcessGroup | None, numel: int, device: torch.device
                         ) -> CommLog:
     """One log of: an all-reduce, a reduce-scatter + all-gather, and our ring all-gather, on
@@ -189,5 +205,8 @@ def collectives_tour(bytes_numel: int = 12 * 1024, timeline_numel: int = 12 * 2*
     example = article_example(groups[3], ctx.device) if ctx.rank < 3 else None
     logs = {k: bytes_experiment(group, bytes_numel, ctx.device)
             for k, group in groups.items() if ctx.rank < k}
+    torch_rs = {k: torch_reduce_scatter_bytes(group, bytes_numel, ctx.device)
+                for k, group in groups.items() if ctx.rank < k}
     timeline = timeline_experiment(None, timeline_numel, ctx.device)
-    return CollectivesTour(rank=ctx.rank, example=example, bytes=logs, timeline=timeline)
+    return CollectivesTour(rank=ctx.rank, example=example, bytes=logs,
+                           torch_reduce_scatter=torch_rs, timeline=timeline)

@@ -5,7 +5,7 @@ ZeRO-3) on the N ranks of a process group. It returns, per stage, the model-stat
 rank holds after the second step (measured from the live tensors) and the bytes it sent
 during that step (recorded by zerolab.comm): a `harness.measured_step`. Bytes sent come twice:
 the ring model's figure and the wire bytes the kernel counted, per op, with what ran (on gloo
-an all-gather runs as N broadcasts, a reduce-scatter as an all-reduce). `scaling_runs` does
+an all-gather runs as N broadcasts, a reduce-scatter as N-1 send/recv pairs). `scaling_runs` does
 that for N = 1, 2 and 4 in one launch of 4 ranks; the notebook puts the measurements beside
 `zerolab.theory`'s formulas.
 

@@ -8,7 +8,8 @@ between nodes are measured, not inferred.
 `nodes_lesson` runs on every rank of a 4-rank launch and returns a `NodesLesson`:
 - one training step of ZeRO-3, HSDP, qwZ, hpZ and qwZ+hpZ: bytes to each peer, the comm log,
   model-state bytes, hpZ's secondary shards (`Traffic`);
-- one world-wide all-gather and one all-reduce: which links they use (`world_collectives`);
+- one world-wide all-gather, reduce-scatter and all-reduce: which links they use
+  (`world_collectives`);
 - HSDP against DDP on the same global batches, with SGD (a distance);
 - the model built on the meta device against built in full (`Construction`);
 - loss curves on the course's corpus, ZeRO-3 with and without int8 weights;
@@ -126,15 +127,20 @@ def unit_numels(config: GPTConfig = MODEL, world_size: int = 4) -> dict[str, int
 
 
 def world_collectives(numel: int = 1 << 16) -> dict[str, dict[int, int]]:
-    """One all-gather and one all-reduce of `numel` fp32 over every rank: the bytes this rank
-    sent to each peer (the fewest over REPEATS runs of each)."""
+    """One all-gather, one reduce-scatter and one all-reduce of `numel` fp32 over every rank:
+    the bytes this rank sent to each peer (the fewest over REPEATS runs of each)."""
     rank, world_size = rank_and_size()
     shard = torch.full((numel // world_size,), float(rank))
-    runs: dict[str, list[dict[int, int]]] = {"all_gather": [], "all_reduce": []}
+    runs: dict[str, list[dict[int, int]]] = {"all_gather": [], "reduce_scatter": [],
+                                             "all_reduce": []}
     for _ in range(REPEATS):
         with record_peer_bytes() as sent:
             comm.all_gather(torch.empty(numel), shard, tag="world/all_gather")
         runs["all_gather"].append(sent.to)
+        with record_peer_bytes() as sent:
+            comm.reduce_scatter(torch.empty(numel // world_size), torch.ones(numel),
+                                tag="world/reduce_scatter")
+        runs["reduce_scatter"].append(sent.to)
         with record_peer_bytes() as sent:
             comm.all_reduce(torch.ones(numel), tag="world/all_reduce")
         runs["all_reduce"].append(sent.to)
@@ -152,6 +158,8 @@ def share_across(per_rank: list[dict[int, int]], node_size: int = NODE) -> float
 # On 2 nodes of 2 with gloo, the share of a world-wide collective's bytes that crosses between
 # the nodes (derived in notebook 09 from gloo's algorithms, and measured by world_collectives):
 GATHER_SHARE = 5 / 6  # an all-gather is 4 broadcasts, each a binomial tree that ignores nodes
+# zerolab's reduce-scatter sends one chunk to each other rank: 2 of a rank's 3 peers are across
+REDUCE_SCATTER_SHARE = 2 / 3
 ALL_REDUCE_SHARE = 1 / 2  # a ring in rank order crosses at 2 of its 4 links
 PHASES = ("forward all-gather", "backward all-gather", "gradients")
 
@@ -175,8 +183,8 @@ def formula(variant: str, numels: dict[str, int], world_size: int = 4,
     forward = GATHER_SHARE * theory.ring_sent_bytes("all_gather", gathered, n)
     backward = 0.0 if options.get("secondary_shard_size") else (
         GATHER_SHARE * theory.ring_sent_bytes("all_gather", fp32, n))
-    # gloo has no reduce-scatter: it all-reduces, twice the ring reduce-scatter's bytes
-    gradients = ALL_REDUCE_SHARE * theory.ring_sent_bytes("all_reduce", fp32, n)
+    # the gradients' reduce-scatter: a chunk straight to each other rank (zerolab.backends)
+    gradients = REDUCE_SCATTER_SHARE * theory.ring_sent_bytes("reduce_scatter", fp32, n)
     return dict(zip(PHASES, (forward, backward, gradients)))
 
 
@@ -311,7 +319,7 @@ class NodesLesson:
     """Everything the 4-rank launch measures, on one rank."""
 
     traffic: dict[str, Traffic]  # per variant
-    world: dict[str, dict[int, int]]  # world all-gather / all-reduce: bytes to each peer
+    world: dict[str, dict[int, int]]  # world all-gather / reduce-scatter / all-reduce: to each peer
     hsdp_vs_ddp: float  # max |HSDP - DDP| over the weights after the same SGD steps
     zero3_vs_ddp: float  # the same for ZeRO-3: the yardstick (only the reduction order)
     construction: Construction
