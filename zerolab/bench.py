@@ -118,14 +118,20 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
     def batch(round_index: int) -> tuple[torch.Tensor, ...]:
         return bench_batch(config, model, round_index, ctx.rank, ctx.device)
 
-    # 1. Timing: one step of every strategy per round, in rotation, nothing recorded.
+    # 1. Timing: one step of every strategy per round, in rotation, nothing recorded. The
+    # floor under all of them rotates with them: the same model's forward and backward alone.
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu_times: dict[str, list[float]] = {k: [] for k in keys}  # this process, all its threads
     page_faults: dict[str, list[int]] = {k: [] for k in keys}  # pages first touched (allocator.py)
+    floor, floor_times = GPT(config.gpt_config()).to(ctx.device), []
+    order = (*keys, FLOOR)
     for r in range(rounds):
         x, y = batch(r)
-        shift = r % len(keys)
-        for key in keys[shift:] + keys[:shift]:
+        shift = r % len(order)
+        for key in order[shift:] + order[:shift]:
+            if key == FLOOR:
+                floor_times.append(timed(ctx.device, forward_backward, floor, x, y)[0])
+                continue
             faults = minor_page_faults()
             wall, cpu, _ = timed(ctx.device, harness.train_step, engines[key], x, y)
             page_faults[key].append(minor_page_faults() - faults)
@@ -149,12 +155,22 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
     expected = engines[reference].full_state_dict()
     diffs = {k: harness.max_diff(engines[k].full_state_dict(), expected) for k in keys}
     report("compare parameters")
-    return {"rank": ctx.rank, "times": times, "cpu_times": cpu_times,
+    return {"rank": ctx.rank, "times": times, "floor_times": floor_times, "cpu_times": cpu_times,
             "page_faults": page_faults, "measured": measured,
             "max_abs_diff": diffs, "reference": reference,
             "params": num_params(model) if ctx.rank == 0 else None,
             "backend": ctx.backend, "device": str(ctx.device),
             "threads": torch.get_num_threads()}
+
+
+FLOOR = "floor"  # in the timing rotation: forward and backward alone
+
+
+def forward_backward(model: GPT, x: torch.Tensor, y: torch.Tensor) -> None:
+    """What every strategy computes in a step, and nothing else: forward and backward on this
+    rank's batch, with no collective and no optimizer step. No strategy can be faster."""
+    model.loss(model(x), y).backward()
+    model.zero_grad(set_to_none=False)  # as the engines do: the next backward adds into zeros
 
 
 def minor_page_faults() -> int:
