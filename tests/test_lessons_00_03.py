@@ -182,6 +182,13 @@ def test_wire_bytes_match_what_ran(at4, n):
         assert 1 <= r["tour"].torch_reduce_scatter[n] / (2 * (n - 1) * s / n) < 1.03
 
 
+def test_reduce_scatters_are_timed_in_turns(at4):
+    for r in at4:
+        times = r["tour"].reduce_scatter_s
+        assert sorted(times) == ["torch", "zerolab"]
+        assert all(len(ts) == 10 and all(t > 0 for t in ts) for ts in times.values())
+
+
 def test_timeline_log_has_three_phases_and_every_call(at4):
     for r in at4:
         log = r["tour"].timeline

@@ -13,6 +13,7 @@ can be compared exactly. The results come back as the dataclasses below.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +47,7 @@ class CollectivesTour:
     example: ArticleExample | None  # ranks 0-2: the 3-rank example; None on rank 3
     bytes: dict[int, dict[str, CommLog]]  # k -> `bytes_experiment`'s logs in ranks 0..k-1
     torch_reduce_scatter: dict[int, int | None]  # k -> bytes torch's own gloo rs wrote here
+    reduce_scatter_s: dict[str, list[float]]  # "zerolab" / "torch" -> seconds, call by call
     timeline: CommLog  # `timeline_experiment` on all 4 ranks
 
 
@@ -170,6 +172,24 @@ def torch_reduce_scatter_bytes(group: dist.ProcessGroup, numel: int, device: tor
     return None if before is None or after is None else after.process - before.process
 
 
+def time_reduce_scatters(numel: int, repeats: int, device: torch.device
+                         ) -> dict[str, list[float]]:
+    """zerolab's reduce-scatter (N-1 send/recv pairs on gloo) and torch's own (an all-reduce
+    underneath on gloo), in turns, on every rank: each call's seconds, from a barrier."""
+    n = dist.get_world_size()
+    full, part = torch.ones(numel, device=device), torch.empty(numel // n, device=device)
+    calls = {"zerolab": lambda: comm.reduce_scatter(part, full, tag="lesson02/time/rs_turns"),
+             "torch": lambda: backends.torch_reduce_scatter(part, full)}
+    seconds: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            comm.barrier(tag="lesson02/time/rs_turns_start")
+            start = time.perf_counter()
+            call()
+            seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
 def timeline_experiment(group: dist.ProcessGroup | None, numel: int, device: torch.device
                         ) -> CommLog:
     """One log of: an all-reduce, a reduce-scatter + all-gather, and our ring all-gather, on
@@ -208,5 +228,7 @@ def collectives_tour(bytes_numel: int = 12 * 1024, timeline_numel: int = 12 * 2*
     torch_rs = {k: torch_reduce_scatter_bytes(group, bytes_numel, ctx.device)
                 for k, group in groups.items() if ctx.rank < k}
     timeline = timeline_experiment(None, timeline_numel, ctx.device)
+    rs_seconds = time_reduce_scatters(4 * timeline_numel, 10, ctx.device)
     return CollectivesTour(rank=ctx.rank, example=example, bytes=logs,
-                           torch_reduce_scatter=torch_rs, timeline=timeline)
+                           torch_reduce_scatter=torch_rs, reduce_scatter_s=rs_seconds,
+                           timeline=timeline)
