@@ -29,24 +29,36 @@ OPTIMIZERS = {
 }
 
 
+class WholeAndTiled:
+    """The same masters twice, one optimizer on them whole, one on tiles of 6 elements."""
+
+    def __init__(self, name: str):
+        cls, kwargs = OPTIMIZERS[name]
+        self.whole, self.tiled = masters(0), masters(0)
+        self.tiles = OptimizerTiles(self.tiled, 6)
+        self.opt_whole, self.opt_tiled = cls(self.whole, **kwargs), cls(self.tiles.params(),
+                                                                          **kwargs)
+        self.tiles.attach(self.opt_tiled)
+
+    def step(self, step: int) -> None:
+        set_grads(self.whole, step)
+        set_grads(self.tiled, step)
+        self.opt_whole.step()
+        self.opt_tiled.step()
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_tiles_step_bitwise_like_whole_tensors(name):
-    cls, kwargs = OPTIMIZERS[name]
-    whole, tiled = masters(0), masters(0)
-    tiles = OptimizerTiles(tiled, 6)
-    assert len(tiles.params()) == 3 + 2 + 1 + 6  # ceil(numel / 6) each
-    opt_whole, opt_tiled = cls(whole, **kwargs), cls(tiles.params(), **kwargs)
-    tiles.attach(opt_tiled)
+    run = WholeAndTiled(name)
+    assert len(run.tiles.params()) == 3 + 2 + 1 + 6  # ceil(numel / 6) each
     for step in range(3):
-        set_grads(whole, step)
-        set_grads(tiled, step)
-        opt_whole.step()
-        opt_tiled.step()
-        for a, b in zip(whole, tiled):
+        run.step(step)
+        for a, b in zip(run.whole, run.tiled):
             assert torch.equal(a, b), (name, step)
         # a tile's gradient is a view of its master's: dropped after the step, so that a freed
         # master gradient is not kept alive by it
-        assert all(t.grad is None for t in tiles.params() if all(t is not m for m in tiled))
+        assert all(t.grad is None for t in run.tiles.params()
+                   if all(t is not m for m in run.tiled))
 
 
 def test_a_master_no_larger_than_a_tile_is_given_as_it_is():
@@ -70,15 +82,11 @@ def test_tiles_are_views_of_the_master():
 
 def test_state_joins_per_master_and_loads_back():
     cls, kwargs = OPTIMIZERS["adamw"]
-    whole, tiled = masters(0), masters(0)
-    tiles = OptimizerTiles(tiled, 6)
-    opt_whole, opt_tiled = cls(whole, **kwargs), cls(tiles.params(), **kwargs)
-    tiles.attach(opt_tiled)
+    run = WholeAndTiled("adamw")
     for step in range(2):
-        set_grads(whole, step)
-        set_grads(tiled, step)
-        opt_whole.step()
-        opt_tiled.step()
+        run.step(step)
+    whole, tiled, tiles, opt_whole, opt_tiled = (run.whole, run.tiled, run.tiles, run.opt_whole,
+                                                 run.opt_tiled)
     joined = [tiles.state(opt_tiled, m) for m in tiled]
     for state, expected, m in zip(joined, (opt_whole.state[p] for p in whole), tiled):
         assert sorted(state) == sorted(expected)
