@@ -94,3 +94,17 @@ def test_corpus_batches_are_shifted_and_deterministic():
     assert torch.equal(x, x2)
     with pytest.raises(ValueError, match="block_size"):
         corpus.batch(1, len(corpus.tokens), seed=0)
+
+
+def test_no_rank_tears_a_torchrun_job_down_before_every_rank_ends(tmp_path):
+    """finish_torchrun_job meets through torchrun's store: rank 0 waits for the late rank 1
+    (1.5 s) before it destroys its group; both end with no group."""
+    out = tmp_path / "finish"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(REPO / "tests" / "finish_worker.py"),
+                           str(out)], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=subprocess_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+    assert ranks[0]["waited_s"] >= 1.2 and ranks[1]["waited_s"] < 1.2
+    assert not ranks[0]["group_left"] and not ranks[1]["group_left"]

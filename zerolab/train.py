@@ -31,9 +31,10 @@ import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import comm, harness
+from zerolab import harness
 from zerolab.comm import save_chrome_trace
 from zerolab.data import Corpus
+from zerolab.launch import finish_torchrun_job
 from zerolab.models import GPT, GPTConfig, num_params
 from zerolab.progress import ProgressBar, ProgressFile, follow_progress
 
@@ -184,8 +185,7 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
         result = train_worker(config, bar)
         # Every rank finishes its collectives before any tears the group down (a rank that
         # destroys it while a peer's last collective is in flight can abort at exit).
-        comm.barrier(tag="train/end")
-        dist.destroy_process_group()
+        finish_torchrun_job()
         return result
     bar = ProgressBar(f"train {config.strategy}") if config.progress else None
     with follow_progress(bar) if bar else contextlib.nullcontext() as sink:
