@@ -154,3 +154,15 @@ def reduce_scatter_variants():
     out["impl"] = {e.tag: e.impl for e in log.events}
     out["mine"] = mine
     return out
+
+
+def reduce_scatter_into_another_chunk():
+    """The output is a chunk of the input, but not this rank's own: refused."""
+    n = dist.get_world_size()
+    full = torch.ones(2 * n)
+    other = (dist.get_rank() + 1) % n
+    try:
+        comm.reduce_scatter(full[2 * other:2 * other + 2], full, tag="v/wrong_chunk")
+    except ValueError as error:
+        return str(error)
+    return None

@@ -470,3 +470,10 @@ def test_reduce_scatter_by_sends_in_place_async_and_max(n):
         assert r["impl"]["v/separate"] == r["impl"]["v/in_place"] == \
             f"reduce_scatter as {pairs} (gloo)"
         assert r["impl"]["v/max"] == "reduce_scatter as all_reduce (gloo)"
+
+
+def test_a_reduce_scatter_into_another_ranks_chunk_is_refused():
+    messages = zerolab.launch(comm_workers.reduce_scatter_into_another_chunk, 2)
+    for message in messages:
+        assert message is not None and "shares memory with the input but is not this rank's " \
+            "own chunk" in message

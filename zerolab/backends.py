@@ -152,8 +152,15 @@ def _reduce_scatter_by_sends(output: torch.Tensor, input: torch.Tensor, group,
     out = output.view(-1)  # (k,)
     # ZeRO-1 reduces in place: its output is its own chunk of the input. Otherwise the first
     # peer's chunk lands in the output itself, and only the others need scratch rows.
-    in_place = out.untyped_storage().data_ptr() == input.untyped_storage().data_ptr()
-    peers = [(rank + i) % n for i in range(1, n)]  # rank + 1 first: no two ranks wait on one
+    in_place = out.data_ptr() == chunks[rank].data_ptr()
+    if not in_place and out.untyped_storage().data_ptr() == input.untyped_storage().data_ptr():
+        raise ValueError("reduce_scatter: the output shares memory with the input but is not "
+                         "this rank's own chunk of it; the chunks sent to other ranks would be "
+                         "overwritten. Pass this rank's chunk (input[rank * k:(rank + 1) * k]) "
+                         "or a tensor of its own.")
+    # Peers in the order rank + 1, rank + 2, ...: every rank starts with a different peer, so
+    # that the sends of one moment go to N different ranks rather than all to rank 0.
+    peers = [(rank + i) % n for i in range(1, n)]
     scratch = torch.empty(len(peers) - (0 if in_place else 1), out.numel(),
                           dtype=out.dtype, device=out.device)  # (n - 1 or n - 2, k)
     landing = list(scratch) if in_place else [out, *scratch]

@@ -337,7 +337,8 @@ class Handle:
 
 def _open_events(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
                  plan: backends.Plan, src: int) -> list[tuple[_Recording, _Open]]:
-    """At issue: close the interval before it, and open one event in every active log."""
+    """At issue: open one event in every active log (inside `_inside_zerolab`, whose first
+    boundary has just closed the interval before the issue)."""
     if not _active:
         return []
     nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
@@ -346,7 +347,6 @@ def _open_events(op: str, tag: str, tensor: torch.Tensor | None, group, async_op
     ring = ring_sent_bytes(op, nbytes, world_size, rank, src)
     wire_start = 0 if backends.writes_through_os(group) else None
     ranks = _group_ranks(group)
-    _boundary(_active)
     opened = []
     for rec in _active:
         event = CommEvent(op, tag, nbytes, ring, rec.log.now(), None, async_op, dtype,
@@ -369,8 +369,8 @@ def _close_events(opened: list[tuple[_Recording, _Open]]) -> None:
 
 def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
            plan: backends.Plan, then: Callable[[], object] | None = None, src: int = 0) -> Handle:
-    opened = _open_events(op, tag, tensor, group, async_op, plan, src)
     with _inside_zerolab():
+        opened = _open_events(op, tag, tensor, group, async_op, plan, src)
         work = plan.call()
 
     def finish() -> None:
