@@ -223,16 +223,20 @@ def resume_all(strategies: list[str], kind: str, root: str, loader: str | None =
 # ---- optimizer tiles -----------------------------------------------------------------------------
 
 def tiled_against_whole(strategies: list[str], kind: str = "gpt") -> dict:
-    """Each strategy trained 3 steps with tiles of 5 elements and with whole masters."""
+    """Each strategy trained 3 steps with tiles of 5 elements and with whole masters, in fp32
+    and with bf16 parameters (the optimizer then steps fp32 master copies, whose gradients
+    mixed_precision.py sets just before the step)."""
     runs = {}
     for strategy in strategies:
-        states, counts = [], []
-        for tile_numel in (5, None):
-            model, engine = _engine(strategy, kind, optimizer_tile_numel=tile_numel)
-            train_steps(engine, model, range(3))
-            states.append(engine.full_state_dict())
-            counts.append(len(engine.optimizer.param_groups[0]["params"]))
-        runs[strategy] = (*states, *counts)
+        for param_dtype in (None, torch.bfloat16):
+            states, counts = [], []
+            for tile_numel in (5, None):
+                model, engine = _engine(strategy, kind, optimizer_tile_numel=tile_numel,
+                                        param_dtype=param_dtype)
+                train_steps(engine, model, range(3))
+                states.append(engine.full_state_dict())
+                counts.append(len(engine.optimizer.param_groups[0]["params"]))
+            runs[strategy, str(param_dtype)] = (*states, *counts)
     # A weight of 360,000 elements, more than a tile on a CPU: cut by default.
     big = zerolab.DDP(torch.nn.Linear(600, 600), torch.optim.AdamW, lr=W.LR)
     return {"runs": runs, "default_tile_numel": _tile_numel(big.tiles)}

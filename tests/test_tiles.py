@@ -121,10 +121,12 @@ def test_a_tile_must_hold_an_element(bad):
 
 
 def test_engines_on_a_cpu_cut_large_masters_and_train_bitwise_as_whole_ones():
-    """DDP and ZeRO-1, 2, 3 at 2 ranks: tiles of 5 elements against whole masters, 3 steps."""
+    """DDP and ZeRO-1, 2, 3 at 2 ranks, in fp32 and bf16: tiles of 5 elements against whole
+    masters, 3 steps."""
     results = zerolab.launch(F.tiled_against_whole, 2, args=(["ddp", "zero1", "zero2", "zero3"],))
     for r in results:
         assert r["default_tile_numel"] == CPU_TILE_NUMEL
+        assert len(r["runs"]) == 4 * 2
         for strategy, (tiled, whole, cut, n_whole) in r["runs"].items():
             assert cut > n_whole, strategy  # the masters really were cut
             assert all(torch.equal(tiled[k], whole[k]) for k in whole), strategy
