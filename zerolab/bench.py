@@ -29,6 +29,9 @@ Method, so that every figure can be checked:
   Warm-up rounds are dropped. The targets are checked on the median of the per-round ratios of
   a stage to its counterpart (the two ran seconds apart in every round). No instrumentation is
   active while timing.
+- The floor. In the same rotation, every round also times the same model's forward and backward
+  alone, with no engine: no collective, no optimizer step. No strategy can be faster; a time
+  target that asks for less than it, as a share of the counterpart's step, is out of reach.
 - Memory and traffic. A separate pass runs two more steps of each strategy: one under the comm
   recorder only, one under `zerolab.track_memory` as well, with a `categorize` for every
   strategy: the engines' `state_tensors()`, and for torch's the module's parameters, gradients

@@ -203,7 +203,7 @@ def verdict(target: dict[str, Any]) -> str:
     word = "met" if target["met"] else "MISSED"
     if "paired_ratio" not in target:
         return word
-    if target.get("floor_ratio", 0) > target["limit"]:  # forward + backward alone take longer
+    if target["floor_ratio"] > target["limit"]:  # forward + backward alone take longer
         return (f"{word}, and out of reach on this machine: forward and backward alone take "
                 f"{target['floor_ratio']:.3f} of the counterpart's step")
     if target["interval"] is None:

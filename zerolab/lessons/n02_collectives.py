@@ -215,8 +215,10 @@ def collectives_tour(bytes_numel: int = 12 * 1024, timeline_numel: int = 12 * 2*
     """Everything notebook 02 measures, in one launch of 4 ranks.
 
     Returns this rank's CollectivesTour: the article's example and friends on ranks 0-2 (see
-    `article_example`), {k: the logs of `bytes_experiment` in the group of ranks 0..k-1} for
-    the k = 2, 3, 4 this rank belongs to, and the log of `timeline_experiment` on all 4 ranks.
+    `article_example`); for the k = 2, 3, 4 this rank belongs to, the logs of
+    `bytes_experiment` in the group of ranks 0..k-1 and the bytes torch's own reduce-scatter
+    wrote there; the log of `timeline_experiment` on all 4 ranks; and zerolab's and torch's
+    reduce-scatters timed in turns on all 4 (`time_reduce_scatters`, 3 MiB by default).
     """
     ctx = zerolab.init_from_env()
     # Group creation is collective: every rank creates every group, in the same order.
