@@ -21,8 +21,6 @@ from zerolab import comm
 from zerolab.sharding import FlatLayout, flatten, shard, unflatten
 from zerolab.units import Unit, UnitSpec, make_units
 
-DEFAULT_BUCKET_BYTES = 1 << 20
-
 
 class ZeRO3Engine:
     """ZeRO-3: parameters, gradients and optimizer state all sharded; units gathered on use.
@@ -66,11 +64,10 @@ class ZeRO3Engine:
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
                  group: dist.ProcessGroup | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  units: Sequence[UnitSpec] | None = None, **optimizer_kwargs):
         """Exercise 5.3: Shard every unit, hook its forward and backward, build the optimizer.
 
-        bucket_bytes is not used: each unit is one bucket. Hint: p.data = view points a
+        Each unit is one bucket (no bucket_bytes). Hint: p.data = view points a
         parameter into a buffer, p.data = torch.empty(0) points it at nothing; a module's
         register_forward_pre_hook / register_forward_hook run before and after its forward.
         """

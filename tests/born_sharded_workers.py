@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import harness, models
+from zerolab import engines, harness, models
 
 CONFIG = models.GPTConfig(n_layer=4, n_embd=48, n_head=4)  # uneven shards at 3 ranks
 STEPS = 3
@@ -19,30 +19,30 @@ def build(meta: bool) -> models.GPT:
         return models.GPT(CONFIG)
 
 
-def construction_peak(strategy: str, meta: bool) -> dict:
+def construction_peak(engine_key: str, meta: bool) -> dict:
     """Peak live bytes while the model and the engine are built, and what the rank holds then."""
     with zerolab.track_memory() as trace:
         model = build(meta)
-        engine = harness.make_engine(strategy, model, torch.optim.AdamW, lr=1e-3)
+        engine = engines.make_engine(engine_key, model, torch.optim.AdamW, lr=1e-3)
     full = 4 * models.num_params(models.GPT(CONFIG))
     out = {"peak": trace.peak_bytes, "full_model_bytes": full, "held": engine.model_state_bytes()}
-    if strategy == "zero3":
+    if engine_key == "zero3":
         out["largest_unit_bytes"] = max(sum(4 * b.layout.padded_numel for b in u.buckets)
                                          for u in engine.units)
     return out
 
 
-def train(strategy: str, meta: bool) -> dict[str, torch.Tensor]:
+def train(engine_key: str, meta: bool) -> dict[str, torch.Tensor]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = build(meta)
-    engine = harness.make_engine(strategy, model, torch.optim.AdamW, lr=1e-2)
+    engine = engines.make_engine(engine_key, model, torch.optim.AdamW, lr=1e-2)
     for step in range(STEPS):
         x, y = harness.local_batch(model.make_batch, 6, 100 + step, rank, world_size)
         harness.train_step(engine, x, y)
     return engine.full_state_dict()
 
 
-def compare(strategies: list[str]) -> dict:
+def compare(engine_keys: list[str]) -> dict:
     return {s: {"meta": train(s, True), "full": train(s, False),
                 "peak_meta": construction_peak(s, True),
-                "peak_full": construction_peak(s, False)} for s in strategies}
+                "peak_full": construction_peak(s, False)} for s in engine_keys}

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 import workers
 
-from zerolab import backends, comm, wire
+from zerolab import comm
+from zerolab.wire import backends
+from zerolab.wire import written as wire
 
 
 def suite(delay, numel):

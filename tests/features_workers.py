@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-import strategies_workers as W
+import engines_workers as W
 import torch
 import torch.distributed as dist
 
@@ -24,10 +24,10 @@ def _rank():
     return dist.get_rank(), dist.get_world_size()
 
 
-def _engine(strategy: str, kind: str, seed: int = 0, **kwargs):
+def _engine(engine_key: str, kind: str, seed: int = 0, **kwargs):
     model = W.build_model(kind, seed=seed)
-    engine = W.STRATEGIES[strategy](model, torch.optim.AdamW, lr=W.LR, weight_decay=0.1,
-                                    **W.engine_kwargs(strategy), **kwargs)
+    engine = W.ENGINES_TESTED[engine_key](model, torch.optim.AdamW, lr=W.LR, weight_decay=0.1,
+                                    **W.engine_kwargs(engine_key), **kwargs)
     return model, engine
 
 
@@ -53,7 +53,7 @@ def reference_big_batch(kind: str) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def accumulate(strategies: list[str], kind: str) -> dict:
+def accumulate(engine_keys: list[str], kind: str) -> dict:
     rank, world_size = _rank()
     out = {}
     model = W.build_model(kind)  # torch's own DDP.no_sync: the yardstick
@@ -69,8 +69,8 @@ def accumulate(strategies: list[str], kind: str) -> dict:
         opt.step()
         opt.zero_grad()
     out["torch_ddp"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for strategy in strategies:  # zerolab's: the harness's step, as the notebooks run it
-        model, engine = _engine(strategy, kind, seed=rank)
+    for engine_key in engine_keys:  # zerolab's: the harness's step, as the notebooks run it
+        model, engine = _engine(engine_key, kind, seed=rank)
         reductions_inside_no_sync = 0
         for step in range(ACC_STEPS):
             x, y = (torch.cat(part) for part in zip(*_micro_batches(model, step, rank,
@@ -82,7 +82,7 @@ def accumulate(strategies: list[str], kind: str) -> dict:
             reductions_inside_no_sync += sum(
                 e.op in ("all_reduce", "reduce_scatter") and e.start < last_backward.start
                 for e in log.events)
-        out[strategy] = {"state": engine.full_state_dict(),
+        out[engine_key] = {"state": engine.full_state_dict(),
                          "reductions_inside_no_sync": reductions_inside_no_sync}
     return out
 
@@ -103,28 +103,28 @@ def reference_clipped(kind: str) -> dict:
             "norms": norms}
 
 
-def clipped(strategies: list[str], kind: str) -> dict:
+def clipped(engine_keys: list[str], kind: str) -> dict:
     rank, world_size = _rank()
     out = {}
-    for strategy in strategies:
-        model, engine = _engine(strategy, kind, seed=rank)
+    for engine_key in engine_keys:
+        model, engine = _engine(engine_key, kind, seed=rank)
         norms = []
         for x, y in W.batches(model, rank, world_size):
             model.loss(engine(x), y).backward()
             norms.append(engine.clip_grad_norm_(MAX_NORM))
             engine.step()
             engine.zero_grad()
-        out[strategy] = {"state": engine.full_state_dict(), "norms": norms}
+        out[engine_key] = {"state": engine.full_state_dict(), "norms": norms}
     return out
 
 
 # ---- mixed precision ---------------------------------------------------------------------------
 
-def mixed(strategies: list[str], kind: str) -> dict:
+def mixed(engine_keys: list[str], kind: str) -> dict:
     rank, world_size = _rank()
     out = {}
-    for strategy in strategies:
-        model, engine = _engine(strategy, kind, seed=rank, param_dtype=torch.bfloat16)
+    for engine_key in engine_keys:
+        model, engine = _engine(engine_key, kind, seed=rank, param_dtype=torch.bfloat16)
         losses = []
         with zerolab.record_comm() as log:
             for x, y in W.batches(model, rank, world_size):
@@ -135,7 +135,7 @@ def mixed(strategies: list[str], kind: str) -> dict:
                 state_bytes = engine.model_state_bytes()
                 engine.zero_grad()
         wire = {e.dtype for e in log.events if e.op in ("all_reduce", "reduce_scatter")}
-        out[strategy] = {"state": engine.full_state_dict(), "bytes": state_bytes,
+        out[engine_key] = {"state": engine.full_state_dict(), "bytes": state_bytes,
                          "losses": losses, "log": log, "wire": wire,
                          "layouts": [(b.layout.numel, b.layout.padded_numel)
                                      for b in engine.buckets]}
@@ -165,31 +165,31 @@ def train_steps(engine, model, steps: range) -> None:
         harness.train_step(engine, x, y)
 
 
-def save_after(strategy: str, kind: str, folder: str, steps: int) -> None:
-    model, engine = _engine(strategy, kind, seed=dist.get_rank(),
+def save_after(engine_key: str, kind: str, folder: str, steps: int) -> None:
+    model, engine = _engine(engine_key, kind, seed=dist.get_rank(),
                             optimizer_tile_numel=CHECKPOINT_TILE)
     train_steps(engine, model, range(steps))
     checkpoint.save(engine, folder)
 
 
-def resume(strategy: str, kind: str, folder: str, first: int, last: int) -> dict:
-    model, engine = _engine(strategy, kind, seed=dist.get_rank() + 7,  # weights get overwritten
+def resume(engine_key: str, kind: str, folder: str, first: int, last: int) -> dict:
+    model, engine = _engine(engine_key, kind, seed=dist.get_rank() + 7,  # weights get overwritten
                             optimizer_tile_numel=CHECKPOINT_TILE)
     checkpoint.load(engine, folder)
     train_steps(engine, model, range(first, last))
     return engine.full_state_dict()
 
 
-def uninterrupted(strategy: str, kind: str, steps: int) -> dict:
-    model, engine = _engine(strategy, kind, seed=dist.get_rank(),
+def uninterrupted(engine_key: str, kind: str, steps: int) -> dict:
+    model, engine = _engine(engine_key, kind, seed=dist.get_rank(),
                             optimizer_tile_numel=CHECKPOINT_TILE)
     train_steps(engine, model, range(steps))
     return engine.full_state_dict()
 
 
-def save_killed_half_way(strategy: str, kind: str, folder: str) -> None:
+def save_killed_half_way(engine_key: str, kind: str, folder: str) -> None:
     """Rank 1 dies after writing its file, before the save completes (a crash mid-save)."""
-    model, engine = _engine(strategy, kind, seed=dist.get_rank())
+    model, engine = _engine(engine_key, kind, seed=dist.get_rank())
     train_steps(engine, model, range(1))
     if dist.get_rank() == 1:
         barriers = iter(range(1))  # the first barrier passes, the second never comes
@@ -204,39 +204,39 @@ def save_killed_half_way(strategy: str, kind: str, folder: str) -> None:
     checkpoint.save(engine, folder)
 
 
-def save_train_resume(strategies: list[str], kind: str, root: str) -> dict:
-    """At this world size, per strategy: save after 2 steps, run 5 straight, resume 2->5."""
+def save_train_resume(engine_keys: list[str], kind: str, root: str) -> dict:
+    """At this world size, per engine: save after 2 steps, run 5 straight, resume 2->5."""
     out = {}
-    for strategy in strategies:
-        folder = os.path.join(root, strategy)
-        save_after(strategy, kind, folder, 2)
-        out[strategy] = {"straight": uninterrupted(strategy, kind, 5),
-                         "resumed": resume(strategy, kind, folder, 2, 5)}
+    for engine_key in engine_keys:
+        folder = os.path.join(root, engine_key)
+        save_after(engine_key, kind, folder, 2)
+        out[engine_key] = {"straight": uninterrupted(engine_key, kind, 5),
+                         "resumed": resume(engine_key, kind, folder, 2, 5)}
     return out
 
 
-def resume_all(strategies: list[str], kind: str, root: str, loader: str | None = None) -> dict:
-    """Resume each strategy's checkpoint (optionally into another stage) at this world size."""
-    return {s: resume(loader or s, kind, os.path.join(root, s), 2, 5) for s in strategies}
+def resume_all(engine_keys: list[str], kind: str, root: str, loader: str | None = None) -> dict:
+    """Resume each engine's checkpoint (optionally into another stage) at this world size."""
+    return {s: resume(loader or s, kind, os.path.join(root, s), 2, 5) for s in engine_keys}
 
 
 # ---- optimizer tiles -----------------------------------------------------------------------------
 
-def tiled_against_whole(strategies: list[str], kind: str = "gpt") -> dict:
-    """Each strategy trained 3 steps with tiles of 5 elements and with whole masters, in fp32
+def tiled_against_whole(engine_keys: list[str], kind: str = "gpt") -> dict:
+    """Each engine trained 3 steps with tiles of 5 elements and with whole masters, in fp32
     and with bf16 parameters (the optimizer then steps fp32 master copies, whose gradients
     mixed_precision.py sets just before the step)."""
     runs = {}
-    for strategy in strategies:
+    for engine_key in engine_keys:
         for param_dtype in (None, torch.bfloat16):
             states, counts = [], []
             for tile_numel in (5, None):
-                model, engine = _engine(strategy, kind, optimizer_tile_numel=tile_numel,
+                model, engine = _engine(engine_key, kind, optimizer_tile_numel=tile_numel,
                                         param_dtype=param_dtype)
                 train_steps(engine, model, range(3))
                 states.append(engine.full_state_dict())
                 counts.append(len(engine.optimizer.param_groups[0]["params"]))
-            runs[strategy, str(param_dtype)] = (*states, *counts)
+            runs[engine_key, str(param_dtype)] = (*states, *counts)
     # A weight of 360,000 elements, more than a tile on a CPU: cut by default.
     big = zerolab.DDP(torch.nn.Linear(600, 600), torch.optim.AdamW, lr=W.LR)
     return {"runs": runs, "default_tile_numel": _tile_numel(big.tiles)}

@@ -8,7 +8,7 @@ import time
 import torch.distributed as dist
 
 import zerolab
-from zerolab.launch import finish_torchrun_job
+from zerolab.launcher import finish_torchrun_job
 
 ctx = zerolab.init_from_env()
 if ctx.rank == 1:

@@ -9,7 +9,6 @@ to run the function. Each rank writes when it passed each point to files in $ZER
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import psutil
 import torch.distributed as dist
+
+from zerolab.launcher import local
 
 SLOW = 2.0  # seconds: far above the scheduling noise of a loaded machine, short for a test
 
@@ -35,7 +36,6 @@ def times(folder: Path, point: str, world_size: int) -> list[float]:
 
 def slow_rank_worker(*args) -> None:
     """zerolab.launch's worker, with rank 1 slow to finish setting up its group."""
-    launch_mod = importlib.import_module("zerolab.launch")  # zerolab.launch is the function
     rank = args[1]
     init, destroy = dist.init_process_group, dist.destroy_process_group
 
@@ -50,7 +50,7 @@ def slow_rank_worker(*args) -> None:
         destroy()
 
     dist.init_process_group, dist.destroy_process_group = init_slowly, destroy_noted
-    launch_mod._worker(*args)
+    local._worker(*args)
 
 
 def noted_function() -> int:
@@ -74,7 +74,7 @@ def run_script(folder: Path, source: str, env: dict, *, stdin: bool = False,
 
 
 def is_zygote(process: psutil.Process) -> bool:
-    return any("zerolab.zygote" in part for part in process.cmdline())
+    return any("zerolab.launcher.zygote" in part for part in process.cmdline())
 
 
 def spawned_children() -> list[psutil.Process]:
@@ -95,7 +95,7 @@ def spawned_children() -> list[psutil.Process]:
 
 # The same scripts where no zygote can run (not Linux): the ranks are spawned, fresh Pythons.
 SPAWNED = """\
-from zerolab import zygote
+from zerolab.launcher import zygote
 
 
 def no_zygote():

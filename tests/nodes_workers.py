@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zerolab import harness, models
-from zerolab.peers import record_peer_bytes
+from zerolab import engines, harness, models
+from zerolab.wire.peers import record_peer_bytes
 
 CONFIG = models.GPTConfig(n_layer=4, n_embd=48, n_head=4)
 STEPS = 4
@@ -18,9 +18,9 @@ VARIANTS = {  # name -> (engine, keyword arguments)
     "zero2": ("zero2", {}),
     "zero3": ("zero3", {}),
     "hsdp": ("hsdp", {"shard_size": NODE}),
-    "qwz": ("zero3", {"quantize_weights": True}),
-    "hpz": ("zero3", {"secondary_shard_size": NODE}),
-    "qwz+hpz": ("zero3", {"quantize_weights": True, "secondary_shard_size": NODE}),
+    "qwz": ("zeropp", {"quantize_weights": True}),
+    "hpz": ("zeropp", {"secondary_shard_size": NODE}),
+    "qwz+hpz": ("zeropp", {"quantize_weights": True, "secondary_shard_size": NODE}),
 }
 
 
@@ -38,7 +38,7 @@ def train(variant: str, optimizer: str = "adamw") -> dict:
     name, kwargs = VARIANTS[variant]
     model = models.GPT(CONFIG)
     optimizer_cls, optimizer_kwargs = OPTIMIZERS[optimizer]
-    engine = harness.make_engine(name, model, optimizer_cls, **optimizer_kwargs, **kwargs)
+    engine = engines.make_engine(name, model, optimizer_cls, **optimizer_kwargs, **kwargs)
     for step in range(STEPS):
         x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 100 + step, rank, world_size)
         if step < STEPS - 1:
@@ -67,7 +67,7 @@ def torch_ddp() -> dict[str, torch.Tensor]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = models.GPT(CONFIG)
     optimizer_cls, optimizer_kwargs = OPTIMIZERS["sgd"]
-    engine = harness.make_engine("torch_ddp", model, optimizer_cls, **optimizer_kwargs)
+    engine = engines.make_engine("torch_ddp", model, optimizer_cls, **optimizer_kwargs)
     for step in range(STEPS):
         x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 100 + step, rank, world_size)
         harness.train_step(engine, x, y)
@@ -86,7 +86,7 @@ def everything() -> dict:
 def uneven_world(shard_size: int) -> str:
     """HSDP on a world size that does not split into nodes of shard_size: the message."""
     try:
-        harness.make_engine("hsdp", models.GPT(CONFIG), torch.optim.AdamW, shard_size=shard_size)
+        engines.make_engine("hsdp", models.GPT(CONFIG), torch.optim.AdamW, shard_size=shard_size)
     except ValueError as e:
         return str(e)
     return "no error"
@@ -102,7 +102,7 @@ def _steps(variant: str, steps: range, load_from: str | None = None, save_to: st
     name, variant_kwargs = VARIANTS[variant]
     model = models.GPT(CONFIG)
     optimizer_cls, optimizer_kwargs = OPTIMIZERS["sgd"]
-    engine = harness.make_engine(name, model, optimizer_cls, **optimizer_kwargs,
+    engine = engines.make_engine(name, model, optimizer_cls, **optimizer_kwargs,
                                  **{**variant_kwargs, **kwargs})
     if load_from:
         checkpoint.load(engine, load_from)

@@ -15,12 +15,13 @@ import pytest
 import torch
 from torch import nn
 
-from zerolab import activations, theory, widgets
+from zerolab import activations, theory
 from zerolab.grading.check import _load_module
 from zerolab.grading.defaults import SOLUTIONS_DIR
 from zerolab.lessons import n08_activations as lesson
 from zerolab.memory import SavedForBackward, module_state, track_memory
 from zerolab.models import GPT, GPTConfig
+from zerolab.plots import calculator as widgets
 
 SMALL = GPTConfig(n_layer=3, n_embd=32, n_head=4, vocab_size=40)
 COURSE = theory.ModelShape(hidden=64, num_layers=4, num_heads=4, vocab_size=64)

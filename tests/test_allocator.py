@@ -1,4 +1,5 @@
-"""Ranks keep the host memory they free (zerolab/allocator.py): an optimizer step's temporaries
+"""Ranks keep the host memory they free (zerolab/launcher/allocator.py): an optimizer step's
+temporaries
 reuse the last step's memory instead of faulting fresh pages in from the kernel, in a rank
 `zerolab.launch` started and in a process that joined its job with `init_from_env` (torchrun's
 way); with the switch off, glibc's defaults fault them in every step.
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import zerolab
-from zerolab import allocator
+from zerolab.launcher import allocator
 
 REPO = Path(__file__).resolve().parent.parent
 # Flat shards of 28 MB and 48 MB: glibc's defaults would take the second from mmap whatever

@@ -1,4 +1,4 @@
-"""`python -m zerolab.bench --quick`: all seven strategies run, and each ends where torch DDP does.
+"""`python -m zerolab.bench --quick`: all seven engines run, and each ends where torch DDP does.
 
 One quick benchmark (a few seconds) is run as a subprocess, exactly as CI or a learner would run
 it; the tests read its JSON, its table and its plot. A second one runs a pair (ZeRO-3 and FSDP2),
@@ -20,7 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from zerolab import bench, bench_config, bench_profile, bench_report, harness, progress, theory
+from zerolab import bench, engines, theory
+from zerolab.bench import config as bench_config
+from zerolab.bench import profile as bench_profile
+from zerolab.bench import report as bench_report
+from zerolab.launcher import progress
 from zerolab.models import GPT, num_params
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +45,7 @@ def run_bench(out: Path, *args: str) -> dict:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(json_path.read_text())
     return {"proc": proc, "report": report, "plot": plot_path,
-            "rows": {r["key"]: r for r in report["strategies"]}}
+            "rows": {r["key"]: r for r in report["engines"]}}
 
 
 @pytest.fixture(scope="module")
@@ -52,24 +56,24 @@ def quick(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def quick_pair(tmp_path_factory) -> dict:
     return run_bench(tmp_path_factory.mktemp("pair"), "--quick", "--pairs",
-                     "--strategies", "zero3")
+                     "--engines", "zero3")
 
 
-def test_every_strategy_matches_the_reference(quick):
+def test_every_engine_matches_the_reference(quick):
     rows = quick["rows"]
-    assert set(rows) == set(bench_config.STRATEGIES)
+    assert set(rows) == set(bench_config.BENCHED)
     for key, row in rows.items():
         assert row["matches_reference"] is True, (
             f"{key}: max |param - torch DDP's| = {row['max_abs_diff']:.2e} > "
             f"atol {quick['report']['config']['atol']:g}")
 
 
-def test_table_lists_all_seven_strategies(quick):
+def test_table_lists_all_seven_engines(quick):
     table = quick["proc"].stdout
-    for label in bench_config.LABELS.values():
+    for label in map(bench_config.label, bench_config.BENCHED):
         assert label in table
     for key in bench_config.TIME_TARGETS:
-        assert f"target {bench_config.LABELS[key]} step time" in table
+        assert f"target {bench_config.label(key)} step time" in table
 
 
 def test_timings_and_measurements_are_complete(quick):
@@ -95,10 +99,10 @@ def test_table_says_how_to_read_it_and_under_what_load(quick):
 
 
 def test_cores_busy_is_every_ranks_cpu_time_over_the_steps_wall_time(quick):
-    """What bounds a step on one machine: a measured ratio, printed for every strategy."""
+    """What bounds a step on one machine: a measured ratio, printed for every engine."""
     table = quick["proc"].stdout
     line = next(li for li in table.splitlines() if li.startswith("cores busy during a step"))
-    for row in quick["report"]["strategies"]:
+    for row in quick["report"]["engines"]:
         busy = sum(row["median_cpu_s_per_rank"]) / row["median_step_s"]
         assert row["cores_busy"] == pytest.approx(busy)
         assert 0 < busy <= quick["report"]["environment"]["cores"] * 1.25  # medians of two clocks
@@ -120,12 +124,12 @@ def test_model_state_matches_the_formulas(quick):
     for key, row in quick["rows"].items():
         slack = 0.25 if key == "torch_ddp_zero" else 0.02
         assert 1.0 <= row["model_state_to_formula"] <= 1.0 + slack, key
-        stage = bench_config.FORMULA_STAGE[key]
+        stage = engines.ENGINES[key].stage
         assert row["model_state_formula"] == theory.memory_formula(stage)
 
 
 def test_zerolab_traffic_matches_the_formulas(quick):
-    for key in harness.ZEROLAB_ENGINES:  # 2Ψ, ZeRO-3 3Ψ, ring model; padding only
+    for key in engines.STAGE_ENGINES:  # 2Ψ, ZeRO-3 3Ψ, ring model; padding only
         assert 1.0 <= quick["rows"][key]["sent_to_formula"] <= 1.01, key
     assert quick["rows"]["torch_ddp"]["sent_to_formula"] == 1.0
 
@@ -192,17 +196,17 @@ def test_verdict_says_when_forward_and_backward_alone_are_slower_than_the_target
 
 
 def test_the_floor_is_timed_in_every_launch_and_under_every_step(quick, quick_pair):
-    """Forward + backward alone, in the same rotation: positive, below every strategy's step
+    """Forward + backward alone, in the same rotation: positive, below every engine's step
     (each does that and more), one per launch, and printed."""
     for run in (quick, quick_pair):
         report = run["report"]
         (floor,) = report["floor_step_s"]
-        assert 0 < floor < min(r["median_step_s"] for r in report["strategies"])
-        assert f"the floor under every strategy), median ms: {1e3 * floor:.0f}" in (
+        assert 0 < floor < min(r["median_step_s"] for r in report["engines"])
+        assert f"the floor under every engine), median ms: {1e3 * floor:.0f}" in (
             run["proc"].stdout)
         for t in report["targets"]:
             if "paired_ratio" in t:
-                counterpart = next(r for r in report["strategies"]
+                counterpart = next(r for r in report["engines"]
                                    if t["what"].endswith(r["label"]))
                 assert t["floor_ratio"] == pytest.approx(floor / counterpart["median_step_s"])
 
@@ -221,21 +225,21 @@ def test_plot_is_a_png(quick):
 
 def quick_psi(report: dict) -> int:
     cfg = bench_config.BenchConfig(**{k: v for k, v in report["config"].items()
-                               if k not in ("strategies", "atol")})
+                               if k not in ("engines", "atol")})
     return num_params(GPT(cfg.gpt_config()))
 
 
 def test_collective_counter_agrees_with_record_comm(quick):
-    """On zerolab's engines, the counter used for torch's strategies sees what record_comm does
+    """On zerolab's engines, the counter used for torch's engines sees what record_comm does
     (a gloo reduce-scatter as the sends it is made of: the same ring figure)."""
-    for key in harness.ZEROLAB_ENGINES:
+    for key in engines.STAGE_ENGINES:
         row = quick["rows"][key]
         assert row["sent_bytes_source"] == "zerolab.record_comm"
         assert row["c10d_bytes_per_rank"] == row["sent_bytes_per_rank"], key
 
 
 def test_torch_traffic_follows_the_known_algorithms(quick):
-    """World size 2, fp32: the ring figures for what each torch strategy is known to send."""
+    """World size 2, fp32: the ring figures for what each torch engine is known to send."""
     report = quick["report"]
     assert report["config"]["world_size"] == 2
     full = 4 * quick_psi(report)  # bytes of every parameter once
@@ -265,7 +269,7 @@ def test_a_pair_runs_alone_and_is_compared_with_its_counterpart(quick_pair):
         assert row["reference"] == "torch_fsdp2"
         assert row["matches_reference"] is True, row
     assert rows["zero3"]["paired_ratio_to_counterpart"] > 0
-    assert "pair: zerolab ZeRO-3 against torch FSDP2 fully_shard (reference)" in (
+    assert "pair: zerolab ZeRO-3 against torch FSDP2 (fully_shard) (reference)" in (
         quick_pair["proc"].stdout)
 
 
@@ -275,10 +279,10 @@ def test_pairs_and_side_by_side_groups():
                      (("zero1", "torch_ddp_zero"), "torch_ddp_zero"),
                      (("zero2", "torch_ddp"), "torch_ddp"),
                      (("zero3", "torch_fsdp2"), "torch_fsdp2")]
-    [(keys, reference)] = bench_config.BenchConfig(strategies=("zero3",)).groups()
+    [(keys, reference)] = bench_config.BenchConfig(engines=("zero3",)).groups()
     assert keys == ("zero3", "torch_ddp") and reference == "torch_ddp"  # always the reference
     with pytest.raises(ValueError, match="pairs need"):
-        bench_config.BenchConfig(pairs=True, strategies=("torch_ddp",)).check()
+        bench_config.BenchConfig(pairs=True, engines=("torch_ddp",)).check()
 
 
 def test_gpt2_preset_is_gpt2_small():
@@ -328,22 +332,22 @@ def test_progress_relayed_through_a_file():
 
 
 def test_config_is_checked():
-    with pytest.raises(ValueError, match="unknown strategies"):
-        bench_config.BenchConfig(strategies=("ddp", "zero4")).check()
+    with pytest.raises(ValueError, match="unknown engines"):
+        bench_config.BenchConfig(engines=("ddp", "zero4")).check()
     with pytest.raises(ValueError, match="must divide"):
         bench_config.BenchConfig(global_batch=3).check()
 
 
-def test_profile_lists_each_strategys_operators_by_self_time():
-    """--profile: per strategy, rank 0's operators per step, largest first, summing to the
+def test_profile_lists_each_engines_operators_by_self_time():
+    """--profile: per engine, rank 0's operators per step, largest first, summing to the
     total; the same model's forward and backward run the same matrix products in zerolab's DDP
     and torch's, and DDP's all-reduces show (one per bucket)."""
     proc = subprocess.run([sys.executable, "-m", "zerolab.bench", "--profile", "--quick",
-                           "--strategies", "ddp,torch_ddp"], capture_output=True, text=True,
+                           "--engines", "ddp,torch_ddp"], capture_output=True, text=True,
                           env=subprocess_env(), cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr
     config = replace(bench_config.BenchConfig(**bench_config.QUICK),
-                     strategies=("ddp", "torch_ddp"))
+                     engines=("ddp", "torch_ddp"))
     profiles = {p.key: p for p in bench_profile.run_profile(config)}
     for key, p in profiles.items():
         heads = [li for li in proc.stdout.splitlines() if li.startswith(f"{key}: ")]

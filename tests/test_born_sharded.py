@@ -15,7 +15,7 @@ import torch
 import zerolab
 from zerolab.harness import max_diff
 
-STRATEGIES = ["ddp", "zero2", "zero3"]
+ENGINES_TESTED = ["ddp", "zero2", "zero3"]
 
 
 def test_the_gpt_is_the_same_built_in_full_or_on_meta():
@@ -29,15 +29,15 @@ def test_the_gpt_is_the_same_built_in_full_or_on_meta():
 
 @pytest.fixture(scope="module", params=[1, 2, 3], ids=lambda n: f"N{n}")
 def runs(request):
-    return request.param, zerolab.launch(W.compare, request.param, args=(STRATEGIES,),
+    return request.param, zerolab.launch(W.compare, request.param, args=(ENGINES_TESTED,),
                                          timeout=300)
 
 
 def test_meta_built_engines_train_exactly_like_full_built_ones(runs):
     n, results = runs
     for res in results:
-        for strategy in STRATEGIES:
-            assert max_diff(res[strategy]["meta"], res[strategy]["full"]) == 0, (strategy, n)
+        for engine_key in ENGINES_TESTED:
+            assert max_diff(res[engine_key]["meta"], res[engine_key]["full"]) == 0, (engine_key, n)
 
 
 def test_zero3_never_holds_the_whole_model_while_building_it(runs):

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import zerolab
-from zerolab import backends, comm, wire
+from zerolab import comm, theory
+from zerolab.wire import backends, trace, written
 
 WORLD_SIZES = (1, 2, 3, 4)
 DELAY = 0.3  # rank 0 arrives this late at record_comm, and again at the "align" all-reduce
@@ -134,7 +135,6 @@ def test_recorded_bytes_are_the_ring_figures(suite):
         for tag, (op, nbytes, sent) in SENT.items():
             e = events[tag]
             assert (e.op, e.nbytes, e.ring_bytes) == (op, nbytes[n], sent[n]), tag
-            assert e.sent_bytes == e.ring_bytes  # the old name still reads
         bc = events["bc"]
         assert (bc.op, bc.nbytes) == ("broadcast", 48)
         assert bc.ring_bytes == (0 if n == 1 or rank == BROADCAST_SILENT_RANK[n] else 48)
@@ -142,7 +142,7 @@ def test_recorded_bytes_are_the_ring_figures(suite):
             assert (events["p2p/send"].op, events["p2p/send"].ring_bytes) == ("send", 48)
             assert (events["p2p/recv"].op, events["p2p/recv"].ring_bytes) == ("recv", 0)
             assert events["p2p/recv"].nbytes == 48
-        assert log.total_ring_bytes() == log.total_bytes() == TOTAL[(n, rank)]
+        assert log.total_ring_bytes() == log.total_ring_bytes() == TOTAL[(n, rank)]
         # ar/sum, ar/avg, ar/max (fp32) and ar/fp16: 3*48+24, 3*64+32, 3*72+36
         assert log.total_ring_bytes("ar/") == {1: 0, 2: 168, 3: 224, 4: 252}[n]
         by_op = log.bytes_by_op()
@@ -195,10 +195,10 @@ def test_chrome_trace_of_all_ranks(suite, tmp_path):
     n, results = suite
     logs = [r["log"] for r in results]
     path = tmp_path / "trace.json"
-    comm.save_chrome_trace(str(path), logs)
-    trace = json.loads(path.read_text())
-    assert trace == json.loads(json.dumps(comm.chrome_trace(logs)))
-    events = trace["traceEvents"]
+    trace.save_chrome_trace(str(path), logs)
+    saved = json.loads(path.read_text())
+    assert saved == json.loads(json.dumps(trace.chrome_trace(logs)))
+    events = saved["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
     assert names == {r: f"rank {r}" for r in range(n)}
     for log in logs:
@@ -215,7 +215,7 @@ def test_chrome_trace_of_all_ranks(suite, tmp_path):
                                                            list(e.group_ranks))
         spans = [e for e in events if e["pid"] == log.rank and e.get("cat") == "compute"]
         assert [s["name"] for s in spans] == ["compute"]
-    one = logs[-1].chrome_trace_events()  # a single rank
+    one = trace.rank_events(logs[-1])  # a single rank
     assert {e["pid"] for e in one} == {n - 1}
     assert len(one) == len(logs[-1].events) + len(logs[-1].spans)
 
@@ -347,22 +347,22 @@ def test_wire_bytes_by_group(suite):
 
 def test_ring_sent_bytes_by_hand():
     s = 48  # 12 fp32
-    assert comm.ring_sent_bytes("all_reduce", s, 3) == 64  # 2*2*48/3
-    assert comm.ring_sent_bytes("all_reduce", s, 4) == 72  # 2*3*48/4
-    assert comm.ring_sent_bytes("reduce_scatter", s, 3) == 32  # 2*48/3
-    assert comm.ring_sent_bytes("all_gather", s, 4) == 36  # 3*48/4
-    assert comm.ring_sent_bytes("all_reduce", 1 << 30, 8) == 7 * (1 << 28)  # 2*7/8 GiB
+    assert theory.rank_sent_bytes("all_reduce", s, 3) == 64  # 2*2*48/3
+    assert theory.rank_sent_bytes("all_reduce", s, 4) == 72  # 2*3*48/4
+    assert theory.rank_sent_bytes("reduce_scatter", s, 3) == 32  # 2*48/3
+    assert theory.rank_sent_bytes("all_gather", s, 4) == 36  # 3*48/4
+    assert theory.rank_sent_bytes("all_reduce", 1 << 30, 8) == 7 * (1 << 28)  # 2*7/8 GiB
     for op in ("all_reduce", "reduce_scatter", "all_gather", "broadcast", "send"):
-        assert comm.ring_sent_bytes(op, s, 1) == 0  # nothing to send to
+        assert theory.rank_sent_bytes(op, s, 1) == 0  # nothing to send to
     # broadcast from src along src -> src+1 -> ...: all but the ring's last rank send S
-    assert [comm.ring_sent_bytes("broadcast", s, 3, rank=r, src=0) for r in range(3)] == [
+    assert [theory.rank_sent_bytes("broadcast", s, 3, rank=r, src=0) for r in range(3)] == [
         48, 48, 0]
-    assert [comm.ring_sent_bytes("broadcast", s, 4, rank=r, src=2) for r in range(4)] == [
+    assert [theory.rank_sent_bytes("broadcast", s, 4, rank=r, src=2) for r in range(4)] == [
         48, 0, 48, 48]
-    assert comm.ring_sent_bytes("send", s, 2) == 48
-    assert comm.ring_sent_bytes("recv", s, 2) == 0
+    assert theory.rank_sent_bytes("send", s, 2) == 48
+    assert theory.rank_sent_bytes("recv", s, 2) == 0
     with pytest.raises(ValueError, match="unknown op"):
-        comm.ring_sent_bytes("all_to_all", s, 2)
+        theory.rank_sent_bytes("all_to_all", s, 2)
 
 
 def test_wrappers_without_a_process_group_act_as_one_rank():
@@ -405,7 +405,7 @@ def test_wire_bytes_is_none_where_it_cannot_be_measured(monkeypatch):
         comm.all_reduce(torch.ones(3), tag="measured")
     assert log.events[0].wire_bytes is not None and log.total_wire_bytes() is not None
 
-    monkeypatch.setattr(wire, "read", lambda thread: None)  # not Linux, no /proc
+    monkeypatch.setattr(written, "read", lambda thread: None)  # not Linux, no /proc
     with zerolab.record_comm() as log:
         comm.all_reduce(torch.ones(3), tag="a")
         comm.all_gather(torch.empty(3), torch.ones(3), tag="b")
@@ -425,29 +425,20 @@ def test_overlapping_windows_share_by_expected_bytes(monkeypatch):
     """The attribution by hand, with made-up counter readings (process, recording thread)."""
     big = comm.CommEvent("all_reduce", "big", nbytes=0, ring_bytes=300, wire_bytes=0)
     small = comm.CommEvent("all_gather", "small", nbytes=0, ring_bytes=100, wire_bytes=0)
-    rec = comm._Recording(comm.CommLog(0, 2), thread=1, last=wire.Written(1000, 50))
+    rec = comm._Recording(comm.CommLog(0, 2), thread=1, last=written.Written(1000, 50))
     rec.open = [comm._Open(big, weight=300, blocking=False)]
-    rec.advance(wire.Written(1500, 70))  # big alone, async: 500 written, 20 of it the user's
+    rec.advance(written.Written(1500, 70))  # big alone, async: 500 written, 20 of it the user's
     assert (big.wire_bytes, big.wire_exact) == (480, True)
     rec.open.append(comm._Open(small, weight=100, blocking=False))
-    rec.advance(wire.Written(1900, 70))  # both open: 400 shared 3:1
+    rec.advance(written.Written(1900, 70))  # both open: 400 shared 3:1
     assert (big.wire_bytes, small.wire_bytes) == (780, 100)
     assert not big.wire_exact and not small.wire_exact
     rec.open = [comm._Open(small, weight=100, blocking=True)]
-    rec.advance(wire.Written(2000, 90))  # synchronous: the thread's 20 bytes were the call's
+    rec.advance(written.Written(2000, 90))  # synchronous: the thread's 20 bytes were the call's
     assert small.wire_bytes == 200
     rec.open = []
-    rec.advance(wire.Written(5000, 3000))  # nothing open: nobody's
+    rec.advance(written.Written(5000, 3000))  # nothing open: nobody's
     assert big.wire_bytes + small.wire_bytes == 980 == (2000 - 1000) - 20
-
-
-def test_the_old_names_still_work():
-    e = comm.CommEvent(op="all_reduce", tag="t", nbytes=4, sent_bytes=6, start=0.0, end=1.0)
-    assert e.ring_bytes == e.sent_bytes == 6
-    with pytest.raises(AttributeError):
-        e.sent_bytes = 7  # read-only: ring_bytes is the field
-    log = comm.CommLog(0, 2, events=[e])
-    assert log.total_bytes() == log.total_ring_bytes() == 6
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
+import engines_workers as W
 import features_workers as F
 import pytest
-import strategies_workers as W
 import torch
 
 import zerolab
@@ -14,7 +14,7 @@ from zerolab import checkpoint, harness
 from zerolab.harness import max_diff
 
 STAGES = ["ddp", "zero1", "zero2", "zero3"]
-KIND = "gpt"  # tied weights; the MLP (frozen, tiny, reused) is covered by test_strategies
+KIND = "gpt"  # tied weights; the MLP (frozen, tiny, reused) is covered by test_engines
 
 
 
@@ -32,18 +32,18 @@ def test_accumulation_equals_one_big_batch(accumulated):
     n, results = accumulated
     reference = F.reference_big_batch(KIND)
     yardstick = max_diff(results[0]["torch_ddp"], reference)
-    for strategy in STAGES:
+    for engine_key in STAGES:
         for rank, res in enumerate(results):
-            diff = max_diff(res[strategy]["state"], reference)
-            assert diff <= W.YARDSTICK_MULTIPLE * yardstick, (strategy, rank, diff, yardstick)
+            diff = max_diff(res[engine_key]["state"], reference)
+            assert diff <= W.YARDSTICK_MULTIPLE * yardstick, (engine_key, rank, diff, yardstick)
             if n == 2:  # sums of two are exact: bitwise equal to torch's DDP.no_sync()
-                assert diff == yardstick, strategy
+                assert diff == yardstick, engine_key
 
 
 def test_no_reduction_inside_no_sync(accumulated):
     _, results = accumulated
-    for strategy in STAGES:
-        assert results[0][strategy]["reductions_inside_no_sync"] == 0, strategy
+    for engine_key in STAGES:
+        assert results[0][engine_key]["reductions_inside_no_sync"] == 0, engine_key
 
 
 # ---- global-norm clipping ----------------------------------------------------------------------
@@ -55,19 +55,20 @@ def clipping():
 
 def test_clip_returns_the_global_norm_on_every_rank(clipping):
     reference = F.reference_clipped(KIND)
-    for strategy in STAGES:
+    for engine_key in STAGES:
         for res in clipping:
-            assert res[strategy]["norms"] == pytest.approx(reference["norms"], rel=1e-4), strategy
+            norms = res[engine_key]["norms"]
+            assert norms == pytest.approx(reference["norms"], rel=1e-4), engine_key
     assert all(norm > F.MAX_NORM for norm in reference["norms"])  # so every step clipped
 
 
 def test_clipped_training_matches_the_reference(clipping):
     reference = F.reference_clipped(KIND)["state"]
     unclipped = W.reference_run(KIND)
-    for strategy in STAGES:
-        diff = max_diff(clipping[0][strategy]["state"], reference)
-        assert diff < 5e-5, (strategy, diff)  # 3 ranks: reduction-order noise, through Adam
-        assert max_diff(clipping[0][strategy]["state"], unclipped) > 20 * diff  # clipping acted
+    for engine_key in STAGES:
+        diff = max_diff(clipping[0][engine_key]["state"], reference)
+        assert diff < 5e-5, (engine_key, diff)  # 3 ranks: reduction-order noise, through Adam
+        assert max_diff(clipping[0][engine_key]["state"], unclipped) > 20 * diff  # clipping acted
 
 
 # ---- mixed precision ---------------------------------------------------------------------------
@@ -92,11 +93,11 @@ def test_mixed_precision_stays_close_to_fp32(mixed):
     _, results = mixed
     losses = F.fp32_losses(KIND)
     reference = W.reference_run(KIND)
-    for strategy in STAGES:
-        r = results[0][strategy]
-        assert r["losses"] == pytest.approx(losses, rel=LOSS_TOLERANCE), strategy
-        assert relative_distance(r["state"], reference) < PARAM_TOLERANCE, strategy
-        assert r["wire"] == {"bfloat16"}, strategy  # gradients travel in bf16
+    for engine_key in STAGES:
+        r = results[0][engine_key]
+        assert r["losses"] == pytest.approx(losses, rel=LOSS_TOLERANCE), engine_key
+        assert relative_distance(r["state"], reference) < PARAM_TOLERANCE, engine_key
+        assert r["wire"] == {"bfloat16"}, engine_key  # gradients travel in bf16
 
 
 def test_mixed_precision_bytes_follow_the_paper(mixed):
@@ -107,11 +108,11 @@ def test_mixed_precision_bytes_follow_the_paper(mixed):
              "zero1": (2 * psi, 2 * psi, 12 * psi / n),
              "zero2": (2 * psi, 2 * psi / n, 12 * psi / n),
              "zero3": (2 * psi / n, 2 * psi / n, 12 * psi / n)}
-    for strategy, (params, grads, optimizer) in paper.items():
-        got = results[0][strategy]["bytes"]
-        assert got["params"] == pytest.approx(params, rel=0.01), strategy
-        assert got["grads"] == pytest.approx(grads, rel=0.01), strategy
-        assert got["optimizer"] == pytest.approx(optimizer, rel=0.01), strategy
+    for engine_key, (params, grads, optimizer) in paper.items():
+        got = results[0][engine_key]["bytes"]
+        assert got["params"] == pytest.approx(params, rel=0.01), engine_key
+        assert got["grads"] == pytest.approx(grads, rel=0.01), engine_key
+        assert got["optimizer"] == pytest.approx(optimizer, rel=0.01), engine_key
 
 
 # ---- checkpoints -------------------------------------------------------------------------------
@@ -125,24 +126,24 @@ def saved(tmp_path_factory):
 
 def test_checkpoint_resumes_exactly_at_the_same_world_size(saved):
     root, results = saved
-    for strategy in STAGES:
-        assert os.path.exists(os.path.join(checkpoint.latest(os.path.join(root, strategy)),
+    for engine_key in STAGES:
+        assert os.path.exists(os.path.join(checkpoint.latest(os.path.join(root, engine_key)),
                                            "manifest.json"))
         for res in results:
-            straight, resumed = res[strategy]["straight"], res[strategy]["resumed"]
-            assert all(torch.equal(resumed[k], straight[k]) for k in straight), strategy
+            straight, resumed = res[engine_key]["straight"], res[engine_key]["resumed"]
+            assert all(torch.equal(resumed[k], straight[k]) for k in straight), engine_key
 
 
 @pytest.mark.parametrize("n", [1, 3])
 def test_checkpoint_reshards_to_another_world_size(saved, n):
     root, results = saved
     resumed = zerolab.launch(F.resume_all, n, args=(STAGES, KIND, root), timeout=300)
-    for strategy in STAGES:
-        straight = results[0][strategy]["straight"]
+    for engine_key in STAGES:
+        straight = results[0][engine_key]["straight"]
         yardstick = max_diff(straight, W.reference_run(KIND))
         for res in resumed:  # equal up to reduction order
-            assert max_diff(res[strategy], straight) <= W.YARDSTICK_MULTIPLE * yardstick, (
-                strategy, n)
+            assert max_diff(res[engine_key], straight) <= W.YARDSTICK_MULTIPLE * yardstick, (
+                engine_key, n)
 
 
 def test_checkpoint_loads_into_another_stage(saved):

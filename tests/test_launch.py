@@ -18,9 +18,7 @@ import torch
 import workers
 
 import zerolab
-
-# `zerolab.launch` is the function; the module behind it:
-launch_mod = importlib.import_module("zerolab.launch")
+from zerolab.launcher import diagnose, local, torchrun
 
 REPO = Path(__file__).resolve().parent.parent
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -142,7 +140,7 @@ def forbid_spawn(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("launch started processes before validating its arguments")
 
-    monkeypatch.setattr(launch_mod, "_start", fail)
+    monkeypatch.setattr(local, "_start", fail)
 
 
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", None, True])
@@ -164,20 +162,20 @@ def test_unknown_backend_is_refused(forbid_spawn):
 def test_backend_choice(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    assert launch_mod.choose_backend(4, None) == "gloo"
-    assert launch_mod.choose_backend(1, "gloo") == "gloo"
+    assert torchrun.choose_backend(4, None) == "gloo"
+    assert torchrun.choose_backend(1, "gloo") == "gloo"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    assert launch_mod.choose_backend(4, None) == "nccl"  # one GPU per rank
-    assert launch_mod.choose_backend(5, None) == "gloo"  # not enough GPUs: CPU
-    assert launch_mod.choose_backend(2, "gloo") == "gloo"  # asked for explicitly
+    assert torchrun.choose_backend(4, None) == "nccl"  # one GPU per rank
+    assert torchrun.choose_backend(5, None) == "gloo"  # not enough GPUs: CPU
+    assert torchrun.choose_backend(2, "gloo") == "gloo"  # asked for explicitly
     with pytest.raises(ValueError, match="world_size=5 but this machine has 4 GPU"):
-        launch_mod.choose_backend(5, "nccl")
+        torchrun.choose_backend(5, "nccl")
 
 
 def test_default_threads_share_the_cores(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert [launch_mod.default_threads(n) for n in (1, 2, 3, 4, 8, 16)] == [8, 4, 2, 2, 1, 1]
+    assert [torchrun.default_threads(n) for n in (1, 2, 3, 4, 8, 16)] == [8, 4, 2, 2, 1, 1]
 
 
 def _nested_function():
@@ -290,9 +288,8 @@ def test_a_collective_with_mismatched_sizes_is_named_as_the_likely_cause(no_left
     assert re.search(r"Output of rank 1:.*gloo.*in uneven_broadcast", message, re.S), message
 
 
-def test_timeout_says_which_ranks_had_returned(tmp_path):
-    (tmp_path / "result-0").write_bytes(b"")  # rank 0 returned; rank 1 did not
-    message = str(launch_mod._timeout([0, 1], str(tmp_path), 5, "work"))
+def test_timeout_says_which_ranks_had_returned():  # rank 0 returned; rank 1 did not
+    message = str(diagnose.timeout_error([0, 1], [0], 5, "work"))
     assert message.startswith("ranks [0, 1] were still running after 5s and were killed: "
                               "ranks [0] had returned from work and waited for ranks [1]")
 
@@ -303,7 +300,7 @@ def test_no_rank_starts_before_every_group_is_up_nor_tears_down_before_all_end(
     collective and closed its connections made the laggard fail in its set-up ("Gloo
     connectFullMesh failed ... Connection closed by peer"). Here rank 1 lags on purpose."""
     monkeypatch.setenv("ZEROLAB_TEST_TIMES", str(tmp_path))
-    monkeypatch.setattr(launch_mod, "_worker", launch_helpers.slow_rank_worker)
+    monkeypatch.setattr(local, "_worker", launch_helpers.slow_rank_worker)
     assert zerolab.launch(launch_helpers.noted_function, 2) == [0, 1]
 
     def times(point):

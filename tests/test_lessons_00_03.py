@@ -59,7 +59,7 @@ def test_first_all_reduce_sums_and_sends_the_ring_figure(fixture, request):
         assert first.after == [n * (n + 1) // 2 * v for v in (1, 10, 100)]
         (event,) = first.log.events
         assert (event.op, event.nbytes) == ("all_reduce", 12)
-        assert first.log.total_bytes() == 2 * (n - 1) * 12 // n
+        assert first.log.total_ring_bytes() == 2 * (n - 1) * 12 // n
     assert len({r["first"].pid for r in results}) == n
 
 
@@ -157,7 +157,7 @@ def test_bytes_per_rank_match_the_ring_formulas(at4, n):
         logs = r["tour"].bytes[n]
         assert logs["all_reduce"].events[0].nbytes == s
         for op, k in passes.items():
-            assert logs[op].total_bytes() == k * (n - 1) * s // n, op
+            assert logs[op].total_ring_bytes() == k * (n - 1) * s // n, op
         ring = logs["ring all_gather"]
         assert [e.op for e in ring.events] == ["send", "recv"] * (n - 1) or \
             [e.op for e in ring.events] == ["recv", "send"] * (n - 1)
@@ -204,7 +204,7 @@ STAGES = n03_zero1.COMPARED  # harness names; theory reads them as its stage nam
 
 
 def test_zero1_lesson_compares_ddp_zero1_and_the_naive_version():
-    assert [theory.stage_name(s) for s in STAGES] == ["DDP", "ZeRO-1", theory.NAIVE_ZERO1]
+    assert [theory.stage_name(s) for s in STAGES] == ["DDP", "ZeRO-1", theory.ALL_REDUCE_ZERO1]
 
 
 def test_zero1_and_naive_train_the_same_model_as_ddp(at4):
@@ -230,7 +230,7 @@ def test_zero1_optimizer_bytes_are_8_psi_over_n(at4):
             runs = r["zero1"].stages[n]
             assert runs["ddp"].held == {"params": 4 * PSI, "grads": 4 * PSI,
                                         "optimizer": 8 * PSI + 4 * PARAM_TENSORS}
-            for stage in ("zero1", "zero1naive"):
+            for stage in ("zero1", "zero1_all_reduce"):
                 assert runs[stage].layouts == [(PSI, PSI)]  # one bucket, no padding
                 assert runs[stage].held == {"params": 4 * PSI, "grads": 4 * PSI,
                                             "optimizer": 8 * PSI // n + 4}
@@ -244,14 +244,15 @@ def test_zero1_sends_2_psi_and_the_naive_version_3_psi(at4):
             runs = r["zero1"].stages[n]
             for stage in STAGES:
                 expected = theory.comm_volume(PSI, n, stage).ring_sent_bytes
-                assert runs[stage].log.total_bytes() == expected, (n, stage)
+                assert runs[stage].log.total_ring_bytes() == expected, (n, stage)
             ops = {s: set(runs[s].log.bytes_by_op()) for s in STAGES}
             if n > 1:
                 assert ops == {"ddp": {"all_reduce"},
                                "zero1": {"reduce_scatter", "all_gather"},
-                               "zero1naive": {"all_reduce", "all_gather"}}
+                               "zero1_all_reduce": {"all_reduce", "all_gather"}}
         runs = r["zero1"].stages[4]
-        assert runs["zero1naive"].log.total_bytes() * 2 == runs["zero1"].log.total_bytes() * 3
+        all_reduce, zero1 = runs["zero1_all_reduce"].log, runs["zero1"].log
+        assert all_reduce.total_ring_bytes() * 2 == zero1.total_ring_bytes() * 3
 
 
 def _spans(log, name):
@@ -260,7 +261,7 @@ def _spans(log, name):
 
 def test_paper_schedule_runs_both_collectives_inside_step(at4):
     for r in at4:
-        run = r["zero1"].schedules["zero1after"]
+        run = r["zero1"].schedules["zero1_after_backward"]
         backwards, steps = _spans(run.log, "backward"), _spans(run.log, "step")
         assert len(steps) == 2 and run.buckets == 4
         assert [e.op for e in run.log.events] == (

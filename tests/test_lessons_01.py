@@ -104,7 +104,7 @@ def test_ddp_overlaps_backward_and_after_backward_does_not_with_equal_results(at
         for log in lesson.after:
             assert n01_ddp.issued_during_backward(log) == 0
             assert len(log.events) == 4
-            assert {e.tag.rsplit("/", 1)[0] for e in log.events} == {"ddp/step"}
+            assert {e.tag.rsplit("/", 1)[0] for e in log.events} == {"ddp_after_backward/step"}
             # every all-reduce starts inside step(), after backward
             step = next(s for s in log.spans if s.name == "step")
             assert all(step.start <= e.start <= step.end for e in log.events)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import zerolab
-from zerolab import harness, theory
+from zerolab import engines, theory
 from zerolab.comm import CommEvent, CommLog, Span
 from zerolab.lessons import n04_zero2, n05_zero3, n06_fsdp2, n07_scaling
 from zerolab.models import GPT, GPTConfig, num_params
@@ -50,7 +50,7 @@ def psi(config: GPTConfig) -> int:
 
 # ---- 04: ZeRO-2 ---------------------------------------------------------------------------------
 
-NAMES04 = ("zero1", "zero2naive", "zero2")
+NAMES04 = ("zero1", "zero2_after_backward", "zero2")
 
 
 def test_zero2_at_rest_is_the_formula_plus_one_step_counter_per_bucket(at2):
@@ -76,7 +76,7 @@ def test_zero2_peak_gradient_naive_holds_everything_hooked_one_bucket(at2):
         largest = max(r04.runs["zero2"].bucket_bytes)
         peaks = {k: run.step.memory.max_by_category["grads"] for k, run in r04.runs.items()}
         assert peaks["zero1"] == full
-        assert peaks["zero2naive"] == full + shards
+        assert peaks["zero2_after_backward"] == full + shards
         hooked = peaks["zero2"]
         assert shards < hooked <= shards + 2 * largest
         assert hooked < full
@@ -91,7 +91,7 @@ def test_zero2_reduce_scatters_during_backward_only_when_hooked(at2):
     runs = at2[0]["n04"].runs
     n_buckets = len(runs["zero2"].bucket_bytes)
     hooked = n04_zero2.ops_by_phase(runs["zero2"].step.log)
-    naive = n04_zero2.ops_by_phase(runs["zero2naive"].step.log)
+    naive = n04_zero2.ops_by_phase(runs["zero2_after_backward"].step.log)
     assert hooked["backward"] == {"reduce_scatter": n_buckets}
     assert hooked["step"] == {"all_gather": n_buckets}
     assert naive["backward"] == {}
@@ -102,7 +102,7 @@ def test_zero2_sends_2psi_and_phases_are_on_the_trace_clock(at2):
     runs = at2[0]["n04"].runs
     expected = theory.comm_volume(runs["zero2"].padded_numel, N, "ZeRO-2").ring_sent_bytes
     for key in NAMES04:
-        assert runs[key].step.log.total_bytes() == expected
+        assert runs[key].step.log.total_ring_bytes() == expected
         trace = runs[key].step.memory
         phases = runs[key].step.phases()
         assert [s.name for s in phases] == ["forward", "backward", "step"]
@@ -214,8 +214,9 @@ def test_zero3_gathers_twice_and_sends_3psi_against_zero2s_2psi(at2):
     one_pass = theory.ring_sent_bytes("all_gather", 4 * padded, N)
     assert n05_zero3.bytes_by_phase(off.step.log) == {
         "fwd all_gather": one_pass, "bwd all_gather": one_pass, "bwd reduce_scatter": one_pass}
-    assert off.step.log.total_bytes() == theory.comm_volume(padded, N, "ZeRO-3").ring_sent_bytes
-    assert r05.zero2_log.total_bytes() == theory.comm_volume(padded, N, "ZeRO-2").ring_sent_bytes
+    volume = {s: theory.comm_volume(padded, N, s).ring_sent_bytes for s in ("ZeRO-2", "ZeRO-3")}
+    assert off.step.log.total_ring_bytes() == volume["ZeRO-3"]
+    assert r05.zero2_log.total_ring_bytes() == volume["ZeRO-2"]
     blocks = [f"blocks.{i}" for i in range(GPT05.n_layer)]
     assert n05_zero3.gathers_by_phase(off.step.log) == {
         "fwd": ["root", *blocks], "bwd": ["root", *reversed(blocks)]}
@@ -309,7 +310,7 @@ def test_collectives_counted_and_recorded(at2):
     # FSDP2 keeps the root gathered from forward into backward: units + blocks all-gathers.
     assert variants["torch_fsdp2"].calls == {"all_gather": units + GPT06.n_layer,
                                              "reduce_scatter": units}
-    for name in harness.ZEROLAB_ENGINES:
+    for name in engines.STAGE_ENGINES:
         expected = theory.comm_volume(psi(GPT06), N, STAGE_OF[name]).ring_sent_bytes
         assert sum(variants[name].sent.values()) == expected, name
     shapes = variants["torch_fsdp2"].shapes
@@ -402,9 +403,9 @@ def test_run_torchrun_builds_the_command_and_reads_the_losses(monkeypatch):
         return subprocess.CompletedProcess(argv, 0, stdout="ok\n", stderr="")
 
     monkeypatch.setattr(n07_scaling.subprocess, "run", fake_run)
-    run = n07_scaling.run_torchrun(nproc=2, strategy="zero2", steps=3)
+    run = n07_scaling.run_torchrun(nproc=2, engine_key="zero2", steps=3)
     assert seen["argv"][:3] == [sys.executable, "-m", "torch.distributed.run"]
     assert seen["argv"][3:11] == ["--standalone", "--nproc-per-node", "2", "-m", "zerolab.train",
-                                  "--strategy", "zero2", "--steps"]
+                                  "--engine", "zero2", "--steps"]
     assert run.command.startswith("torchrun --standalone --nproc-per-node 2 -m zerolab.train")
     assert run.returncode == 0 and run.losses == [4.0, 3.5, 3.0] and run.output == "ok\n"

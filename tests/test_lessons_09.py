@@ -169,7 +169,7 @@ def test_solution_9_1_is_the_paper_count_and_hsdp_the_measured(runs, solutions):
 
 
 def test_solutions_9_2_and_9_3_are_zerolabs_quantiser(solutions):
-    from zerolab.quantize import dequantize_int8, quantize_int8
+    from zerolab.parts.quantize import dequantize_int8, quantize_int8
 
     x = torch.randn(777, generator=torch.Generator().manual_seed(1))
     x[256:512] = 0.0

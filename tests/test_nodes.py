@@ -2,7 +2,7 @@
 
 HSDP (ZeRO-3 inside a node, replicas across nodes), ZeRO++'s qwZ (int8 weights in the forward
 all-gather) and hpZ (a secondary shard inside the node for backward), and the bytes each rank
-sends to each other rank, measured per TCP connection (zerolab.peers).
+sends to each other rank, measured per TCP connection (zerolab.wire.peers).
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ from matplotlib.collections import LineCollection, PolyCollection  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import zerolab  # noqa: E402
-from zerolab import activation_plots, plots, theory  # noqa: E402
+from zerolab import plots, theory  # noqa: E402
+from zerolab.plots import activations as activation_plots  # noqa: E402
 
 MiB = 2**20
 
@@ -302,7 +303,7 @@ def test_timeline_colours_per_op():
 def test_timeline_accepts_zerolab_comm_logs():
     comm = pytest.importorskip("zerolab.comm")
     log = comm.CommLog(rank=0, world_size=1)
-    log.events.append(comm.CommEvent(op="all_reduce", tag="ddp/grads", nbytes=4, sent_bytes=0,
+    log.events.append(comm.CommEvent(op="all_reduce", tag="ddp/grads", nbytes=4, ring_bytes=0,
                                      start=0.0, end=0.002))
     log.spans.append(comm.Span(name="backward", start=0.0, end=0.003))
     fig = plots.timeline([log])

@@ -139,7 +139,7 @@ def test_sgd_uses_its_multiplier():
 @pytest.mark.parametrize(
     ("alias", "name"),
     [("ddp", "DDP"), (0, "DDP"), ("zero1", "ZeRO-1"), ("ZeRO-1", "ZeRO-1"), (2, "ZeRO-2"),
-     ("zero_3", "ZeRO-3"), ("fsdp", "ZeRO-3"), ("zero1-naive", theory.NAIVE_ZERO1)],
+     ("zero_3", "ZeRO-3"), ("fsdp", "ZeRO-3"), ("zero1_all_reduce", theory.ALL_REDUCE_ZERO1)],
 )
 def test_stage_aliases(alias, name):
     assert theory.stage_name(alias) == name
@@ -156,8 +156,8 @@ def test_bad_arguments_raise():
         theory.model_state_memory(10, 0, "DDP")
 
 
-def test_naive_zero1_holds_what_zero1_holds():
-    assert theory.model_state_memory(10, 4, "zero1 naive") == theory.model_state_memory(
+def test_all_reduce_zero1_holds_what_zero1_holds():
+    assert theory.model_state_memory(10, 4, "zero1 all-reduce") == theory.model_state_memory(
         10, 4, "zero1")
 
 
@@ -191,7 +191,7 @@ def test_ring_sent_bytes():
 
 @pytest.mark.parametrize(
     ("stage", "factor"),
-    [("DDP", 2), ("ZeRO-1", 2), ("ZeRO-2", 2), ("ZeRO-3", 3), ("zero1_naive", 3)],
+    [("DDP", 2), ("ZeRO-1", 2), ("ZeRO-2", 2), ("ZeRO-3", 3), ("zero1_all_reduce", 3)],
 )
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
 def test_comm_volume(stage, factor, n):
@@ -205,7 +205,7 @@ def test_comm_volume(stage, factor, n):
 def test_comm_collectives_per_stage():
     assert theory.comm_volume(1, 2, "DDP").collectives == ("all_reduce",)
     assert theory.comm_volume(1, 2, "zero1").collectives == ("reduce_scatter", "all_gather")
-    assert theory.comm_volume(1, 2, "zero1 naive").collectives == ("all_reduce", "all_gather")
+    assert theory.comm_volume(1, 2, "zero1 all-reduce").collectives == ("all_reduce", "all_gather")
     assert sorted(theory.comm_volume(1, 2, "zero3").collectives) == [
         "all_gather", "all_gather", "reduce_scatter"]
 

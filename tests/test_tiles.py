@@ -1,4 +1,4 @@
-"""The optimizer steps cache-sized tiles of its masters (zerolab/tiles.py): the same result as
+"""The optimizer steps cache-sized tiles of its masters (zerolab/parts/tiles.py): the same result as
 whole tensors, bitwise; its state joins back per master and loads again; engines cut on a CPU."""
 
 import features_workers as F
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import zerolab
-from zerolab.tiles import CPU_TILE_NUMEL, OptimizerTiles
+from zerolab.parts.tiles import CPU_TILE_NUMEL, OptimizerTiles
 
 SHAPES = [(3, 5), (7,), (1,), (4, 4, 2)]  # 15, 7, 1, 32 elements: some cut, some not at 6
 
@@ -127,6 +127,6 @@ def test_engines_on_a_cpu_cut_large_masters_and_train_bitwise_as_whole_ones():
     for r in results:
         assert r["default_tile_numel"] == CPU_TILE_NUMEL
         assert len(r["runs"]) == 4 * 2
-        for strategy, (tiled, whole, cut, n_whole) in r["runs"].items():
-            assert cut > n_whole, strategy  # the masters really were cut
-            assert all(torch.equal(tiled[k], whole[k]) for k in whole), strategy
+        for engine_key, (tiled, whole, cut, n_whole) in r["runs"].items():
+            assert cut > n_whole, engine_key  # the masters really were cut
+            assert all(torch.equal(tiled[k], whole[k]) for k in whole), engine_key

@@ -1,7 +1,7 @@
 """`python -m zerolab.train`: under torchrun and spawned by itself, the loss goes down.
 
-Both launches train on the same global batches, so their losses agree whatever the strategy
-(world size 2: the strategies are bitwise equal to torch DDP, see test_strategies.py).
+Both launches train on the same global batches, so their losses agree whatever the engine
+(world size 2: the engines are bitwise equal to torch DDP, see test_engines.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def run(args: list[str], tmp_path: Path, name: str) -> tuple[subprocess.Complete
 @pytest.fixture(scope="module")
 def torchrun_zero3(tmp_path_factory):
     return run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "-m", "zerolab.train", "--strategy", "zero3", "--steps", str(STEPS)],
+                "-m", "zerolab.train", "--engine", "zero3", "--steps", str(STEPS)],
                tmp_path_factory.mktemp("torchrun"), "zero3")
 
 
@@ -47,7 +47,7 @@ def test_torchrun_zero3_loss_goes_down(torchrun_zero3):
     losses = result["losses"]
     assert len(losses) == STEPS
     assert losses[-1] < losses[0]
-    assert result["world_size"] == 2 and result["config"]["strategy"] == "zero3"
+    assert result["world_size"] == 2 and result["config"]["engine"] == "zero3"
     assert "trained zero3 on 2 rank(s)" in proc.stdout  # rank 0 alone prints the summary
     assert proc.stdout.count("trained zero3") == 1
 
@@ -63,7 +63,7 @@ def test_torchrun_summary_has_every_rank(torchrun_zero3):
 
 def test_spawned_world_size_2_with_trace(tmp_path, torchrun_zero3):
     trace = tmp_path / "trace.json"
-    proc, result = run(["-m", "zerolab.train", "--strategy", "zero2", "--world-size", "2",
+    proc, result = run(["-m", "zerolab.train", "--engine", "zero2", "--world-size", "2",
                         "--steps", str(STEPS), "--trace", str(trace)], tmp_path, "zero2")
     losses = result["losses"]
     assert losses[-1] < losses[0]

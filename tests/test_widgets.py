@@ -10,7 +10,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("ipywidgets")
 
-from zerolab import plots, theory, widgets  # noqa: E402
+from zerolab import plots, theory  # noqa: E402
+from zerolab.plots import calculator as widgets  # noqa: E402
 
 
 def text(html: str) -> str:

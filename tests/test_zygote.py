@@ -1,7 +1,7 @@
-"""zerolab/zygote.py: ranks forked by a helper that has imported torch, as a spawned rank would
+"""zerolab/launcher/zygote.py: ranks forked by a helper that has imported torch, as a spawned rank
+would
 be in all that a learner can see; the helper and its ranks die with their caller."""
 
-import importlib
 import os
 import signal
 import subprocess
@@ -16,7 +16,7 @@ import psutil
 import workers
 
 import zerolab
-from zerolab import zygote
+from zerolab.launcher import local, zygote
 
 TESTS = Path(__file__).resolve().parent
 
@@ -161,7 +161,6 @@ def test_unseeded_random_numbers_differ_between_ranks_and_launches_as_in_new_pro
 
 
 def test_running_ranks_lists_the_ranks_of_a_launch_under_way_and_none_after(tmp_path):
-    launch_mod = importlib.import_module("zerolab.launch")  # zerolab.launch is the function
     errors: list[BaseException] = []
 
     def run():
@@ -174,10 +173,10 @@ def test_running_ranks_lists_the_ranks_of_a_launch_under_way_and_none_after(tmp_
     thread.start()
     assert wait_until(lambda: all((tmp_path / f"rank-{r}").exists() for r in (0, 1)))
     ranks = {int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)}
-    assert ranks <= set(launch_mod.running_ranks())
+    assert ranks <= set(local.running_ranks())
     thread.join(timeout=120)
     assert len(errors) == 1 and isinstance(errors[0], zerolab.LaunchTimeout), errors
-    assert launch_mod.running_ranks() == []
+    assert local.running_ranks() == []
 
 
 def test_a_process_forked_from_the_caller_gets_a_zygote_of_its_own(tmp_path):

@@ -1,7 +1,7 @@
 """Sharded checkpoints that survive a crash, and load at any world size or stage.
 
     zerolab.checkpoint.save(engine, "ckpt/")      # collective: each rank writes what it owns
-    zerolab.checkpoint.load(engine, "ckpt/")      # collective: any strategy, any world size
+    zerolab.checkpoint.load(engine, "ckpt/")      # collective: any engine, any world size
     full = zerolab.checkpoint.consolidate("ckpt/")  # {"model": state_dict, "optimizer": {...}}
     zerolab.checkpoint.load_full(engine, full)
 
@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from zerolab import comm
+from zerolab.parts.materialize import param_names, where
 from zerolab.sharding import local_values
-from zerolab.startup import param_names, where
 
 FORMAT = 2
 MANIFEST = "manifest.json"
@@ -111,7 +111,7 @@ def save(engine, folder: str) -> None:
         aliases = {n: first_name[p]  # tied weights: every name the model's state_dict uses
                    for n, p in engine.module.named_parameters(remove_duplicate=False)
                    if first_name[p] != n}
-        manifest = {"format": FORMAT, "strategy": engine.name, "world_size": world_size,
+        manifest = {"format": FORMAT, "engine": engine.name, "world_size": world_size,
                     "files": [f"rank{r}.pt" for r in range(world_size)],
                     "aliases": aliases}
         _write_atomically(os.path.join(target, MANIFEST),

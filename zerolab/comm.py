@@ -9,9 +9,9 @@ record, per call (a `CommEvent`):
 - `ring_bytes`: what this rank sends under the ring algorithm, the textbook model the formulas
   use: all-reduce 2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S;
 - `wire_bytes`: what this rank actually wrote for the call, measured by the kernel's per-process
-  byte counter (zerolab.wire) over the call's window; None where it cannot be measured (NCCL,
-  not Linux), where a notebook then shows the ring model;
-- `impl`: what ran (zerolab.backends): on gloo an all-gather runs as N broadcasts and a
+  byte counter (zerolab.wire.written) over the call's window; None where it cannot be measured
+  (NCCL, not Linux), where a notebook then shows the ring model;
+- `impl`: what ran (zerolab.wire.backends): on gloo an all-gather runs as N broadcasts and a
   reduce-scatter as N-1 send/recv pairs, both at the ring figure;
 - `group_ranks`: the global ranks of the group it ran in.
 
@@ -29,17 +29,16 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from zerolab import backends, theory, trace, wire
-from zerolab.trace import chrome_trace, save_chrome_trace
+from zerolab import theory
+from zerolab.wire import backends, written
 
 __all__ = ["CommEvent", "CommLog", "Handle", "Span", "all_gather", "all_reduce", "barrier",
-           "broadcast", "chrome_trace", "record_comm", "recv", "reduce_scatter",
-           "ring_sent_bytes", "save_chrome_trace", "send", "span"]
+           "broadcast", "record_comm", "recv", "reduce_scatter", "send", "span"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -60,17 +59,6 @@ class CommEvent:
     wire_exact: bool = True  # False: the window overlapped others' and was shared (see Note)
     impl: str = ""  # what ran, e.g. "all_gather as 3 broadcasts (gloo)"
     group_ranks: tuple[int, ...] = ()  # global ranks of the group the call ran in
-    sent_bytes: InitVar[int | None] = None  # the old name of ring_bytes, still accepted
-
-    def __post_init__(self, sent_bytes: int | None) -> None:
-        if sent_bytes is not None:
-            self.ring_bytes = sent_bytes
-
-
-# Read-only alias, for callers written before wire_bytes existed. (Set after the class: inside
-# it, the name is taken by the InitVar that accepts `sent_bytes=` at construction.)
-CommEvent.sent_bytes = property(lambda self: self.ring_bytes,
-                                doc="The old name of ring_bytes (read-only).")
 
 
 @dataclass
@@ -108,7 +96,6 @@ class CommLog:
         """Ring-model bytes this rank sent, over the selected events (see `select`)."""
         return sum(e.ring_bytes for e in self.select(tag_prefix, group))
 
-    total_bytes = total_ring_bytes  # the old name
 
     def total_wire_bytes(self, tag_prefix: str = "",
                          group: tuple[int, ...] | None = None) -> int | None:
@@ -140,19 +127,15 @@ class CommLog:
         finally:
             self.spans.append(Span(name, start, self.now()))
 
-    def chrome_trace_events(self) -> list[dict]:
-        """This rank's events in Chrome/Perfetto trace format (see zerolab.trace)."""
-        return trace.rank_events(self)
-
 
 # Note: how measured bytes are given to events. The kernel counts bytes written per process and
-# per thread, not per collective, so the recorder reads the counters (zerolab.wire) at every
+# per thread, not per collective, so the recorder reads the counters (zerolab.wire.written) at every
 # boundary it sees, each issue and each completion, and gives what was written in between to
 # the events open (issued, not yet seen complete) in that interval:
 #
 #   - one event open: all of it, and the event stays `wire_exact`;
 #   - several open (async calls overlap): split in proportion to the bytes each is expected to
-#     send (ring figure x what ran, see zerolab.backends), and all of them lose `wire_exact`;
+#     send (ring figure x what ran, see zerolab.wire.backends), and all of them lose `wire_exact`;
 #   - none open: nobody's (the process wrote something that is not a collective).
 #
 # Every interval is given to exactly the events open in it, so the events of a step add up to
@@ -188,11 +171,11 @@ class _Recording:
 
     log: CommLog
     thread: int  # native id of the thread that opened the block: whose writes are the user's
-    last: wire.Written | None
+    last: written.Written | None
     open: list[_Open] = field(default_factory=list)
     inside: int = 0  # > 0 while that thread is inside a zerolab call: its writes are collectives'
 
-    def advance(self, now: wire.Written | None) -> None:
+    def advance(self, now: written.Written | None) -> None:
         """Give what was written since the previous boundary to the events open in between."""
         last, self.last = self.last, now
         measured = [o for o in self.open if o.event.wire_bytes is not None]
@@ -221,7 +204,7 @@ def _split(total: int, weights: list[float]) -> list[int]:
     return [b - a for a, b in zip([0, *bounds], bounds)]
 
 
-# Note: `record_comm()` must see collectives issued deep inside the strategies without every
+# Note: `record_comm()` must see collectives issued deep inside the engines without every
 # function taking a log argument, the same way torch.profiler sees every kernel. The recordings
 # in progress are this module's one piece of state; nothing else in zerolab keeps globals.
 _active: list[_Recording] = []
@@ -245,10 +228,10 @@ def _inside_zerolab() -> Iterator[None]:
 
 def _boundary(recordings: list[_Recording]) -> None:
     """Read the counters (once per recording thread) and close the interval ending now."""
-    readings: dict[int, wire.Written | None] = {}
+    readings: dict[int, written.Written | None] = {}
     for rec in recordings:
         if rec.thread not in readings:
-            readings[rec.thread] = wire.read(rec.thread)
+            readings[rec.thread] = written.read(rec.thread)
         rec.advance(readings[rec.thread])
 
 
@@ -278,7 +261,7 @@ def record_comm(group: dist.ProcessGroup | None = None, align: bool = True) -> I
         dist.barrier(group)
     thread = threading.get_native_id()
     rec = _Recording(CommLog(rank=rank, world_size=world_size, t0=time.perf_counter()),
-                     thread, wire.read(thread))
+                     thread, written.read(thread))
     _active.append(rec)
     try:
         yield rec.log
@@ -300,22 +283,6 @@ def span(name: str) -> Iterator[None]:
     finally:
         for log, start in zip(logs, starts):
             log.spans.append(Span(name, start, log.now()))
-
-
-def ring_sent_bytes(op: str, nbytes: int, world_size: int, rank: int = 0, src: int = 0) -> int:
-    """Bytes one rank sends for a collective over S=nbytes under the ring algorithm."""
-    n = world_size
-    if n == 1:
-        return 0
-    if op in ("all_reduce", "reduce_scatter", "all_gather"):  # the formulas live in theory.py
-        return round(theory.ring_sent_bytes(op, nbytes, n))
-    if op == "broadcast":  # pipelined ring from src: every rank but the last one forwards S
-        return 0 if rank == (src - 1) % n else nbytes
-    if op == "send":
-        return nbytes
-    if op in ("recv", "barrier"):
-        return 0
-    raise ValueError(f"unknown op {op!r}")
 
 
 class Handle:
@@ -344,7 +311,7 @@ def _open_events(op: str, tag: str, tensor: torch.Tensor | None, group, async_op
     nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
     dtype = "" if tensor is None else str(tensor.dtype).removeprefix("torch.")
     rank, world_size = _rank_and_size(group)
-    ring = ring_sent_bytes(op, nbytes, world_size, rank, src)
+    ring = theory.rank_sent_bytes(op, nbytes, world_size, rank, src)
     wire_start = 0 if backends.writes_through_os(group) else None
     ranks = _group_ranks(group)
     opened = []
@@ -407,7 +374,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, tag: str, op: s
     """input: (world_size * k,) on every rank; output: (k,), rank r's chunk of the reduction.
 
     gloo has no reduce-scatter of its own: zerolab sends chunk j of `input` straight to rank j
-    and adds the chunks it receives to its own (zerolab.backends); `output` may be this rank's
+    and adds the chunks it receives to its own (zerolab.wire.backends); `output` may be this rank's
     own chunk of `input` (reduced in place). The event's wire_bytes are then the ring figure.
     A MAX or MIN reduce-scatter all-reduces instead, in place when the caller says it will not
     read `input` again (scratch_input=True), else on a copy.
@@ -422,7 +389,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str,
                group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
     """input: (k,) on every rank; output: (world_size * k,), the inputs in rank order.
 
-    On gloo this runs as N broadcasts (zerolab.backends, faster than torch's gloo all-gather);
+    On gloo this runs as N broadcasts (zerolab.wire.backends, faster than torch's gloo all-gather);
     the event records one all-gather, whose measured bytes are the ring figure's.
     """
     plan = backends.all_gather(output, input, group, async_op)

@@ -41,13 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
-from zerolab.checks import check_engine_arguments
-from zerolab.clipping import clip_grad_norm_
 from zerolab.memory import StateTensors, model_state_bytes, optimizer_tensors
-from zerolab.mixed_precision import MixedPrecisionPolicy
+from zerolab.parts.arguments import check_engine_arguments
+from zerolab.parts.clipping import clip_grad_norm_
+from zerolab.parts.materialize import broadcast_from_rank0, materialize, where
+from zerolab.parts.mixed_precision import MixedPrecisionPolicy
+from zerolab.parts.tiles import OptimizerTiles, default_tile_numel
 from zerolab.sharding import Bucket, FlatLayout, Slot
-from zerolab.startup import broadcast_from_rank0, materialize, where
-from zerolab.tiles import OptimizerTiles, default_tile_numel
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB: small, so that the course's small models get buckets
 
@@ -250,3 +250,14 @@ class DDP:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters and buffers, on every rank (a collective in the sharded stages)."""
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+
+class DDPAfterBackward(DDP):
+    """DDP without the overlap: backward reduces nothing; step() all-reduces every bucket once
+    backward is over (_finish_backward reduces whatever backward did not). The same bytes as
+    DDP; notebook 01 sets the two side by side on a timeline."""
+
+    name = "ddp_after_backward"
+
+    def _bucket_ready(self, bucket: Bucket) -> None:
+        """Nothing during backward: step() reduces every bucket."""

@@ -1,6 +1,6 @@
 """One training step, and one *measured* training step: what lessons, CLI, bench and tests run.
 
-    engine = harness.make_engine("zero2", model, lr=1e-3)
+    engine = zerolab.engines.make_engine("zero2", model, lr=1e-3)
     x, y = harness.local_batch(model.make_batch, global_batch=8, seed=step, rank=r, world_size=n)
     m = harness.measured_step(engine, x, y)     # forward, backward, step: measured
     m.loss, m.held, m.memory.peak_bytes, m.log.events, m.log.total_wire_bytes()
@@ -25,51 +25,8 @@ from torch import nn
 
 from zerolab import comm
 from zerolab.comm import CommLog, Span
-from zerolab.ddp import DDP
-from zerolab.hsdp import HSDP
+from zerolab.engines import Engine
 from zerolab.memory import MemoryTrace, track_memory
-from zerolab.zero1 import ZeRO1, ZeRO1AfterBackward, ZeRO1Naive
-from zerolab.zero2 import ZeRO2, ZeRO2Naive
-from zerolab.zero3 import ZeRO3
-
-# name -> (label, engine class, or "module:Class" for torch's engines, imported on demand)
-ENGINES: dict[str, tuple[str, Any]] = {
-    "ddp": ("DDP", DDP),
-    "zero1": ("ZeRO-1", ZeRO1),
-    "zero1naive": ("ZeRO-1 naive", ZeRO1Naive),
-    "zero1after": ("ZeRO-1, after backward", ZeRO1AfterBackward),
-    "zero2": ("ZeRO-2", ZeRO2),
-    "zero2naive": ("ZeRO-2 naive", ZeRO2Naive),
-    "zero3": ("ZeRO-3", ZeRO3),
-    "hsdp": ("HSDP", HSDP),
-    "torch_ddp": ("torch DDP", "zerolab.baselines:TorchDDP"),
-    "torch_ddp_zero": ("torch DDP + ZeroRedundancyOptimizer", "zerolab.baselines:TorchZeRO"),
-    "torch_fsdp2": ("torch FSDP2 (fully_shard)", "zerolab.baselines:TorchFSDP2"),
-}
-ZEROLAB_ENGINES = ("ddp", "zero1", "zero2", "zero3")  # the four stages the course builds
-
-
-def engine_class(name: str) -> type:
-    """The engine class registered as `name` ("zero2", "torch_fsdp2", ...)."""
-    if name not in ENGINES:
-        raise ValueError(f"unknown engine {name!r}; choose from {list(ENGINES)}")
-    cls = ENGINES[name][1]
-    if isinstance(cls, str):  # torch's engines: imported only when asked for
-        module, _, attr = cls.partition(":")
-        cls = getattr(__import__(module, fromlist=[attr]), attr)
-    return cls
-
-
-def label(name: str) -> str:
-    """How the course names an engine: "ZeRO-2", "torch FSDP2 (fully_shard)"."""
-    return ENGINES[name][0]
-
-
-def make_engine(name: str, model: nn.Module,
-                optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
-                **kwargs: Any) -> Any:
-    """Wrap `model` in the engine called `name`; kwargs go to the engine and the optimizer."""
-    return engine_class(name)(model, optimizer_cls, **kwargs)
 
 
 def local_batch(make_batch: Callable[..., tuple[torch.Tensor, ...]], global_batch: int, seed: int,
@@ -96,7 +53,7 @@ def local_rows(batch: Sequence[torch.Tensor], rank: int,
     return tuple(t[rows] for t in batch)
 
 
-def train_step(engine: Any, x: torch.Tensor, y: torch.Tensor,
+def train_step(engine: Engine, x: torch.Tensor, y: torch.Tensor,
                loss_fn: Callable[..., torch.Tensor] | None = None, *,
                forward_span: bool = True, zero_grad: bool = True, micro_batches: int = 1,
                no_sync: bool = True) -> torch.Tensor:
@@ -150,7 +107,7 @@ class MeasuredStep:
         return [Span(s.name, s.start + shift, s.end + shift) for s in self.log.spans]
 
 
-def measured_step(engine: Any, x: torch.Tensor, y: torch.Tensor, *, memory: bool = True,
+def measured_step(engine: Engine, x: torch.Tensor, y: torch.Tensor, *, memory: bool = True,
                   zero_grad: bool = True, forward_spans: Sequence[nn.Module] = (),
                   loss_fn: Callable[..., torch.Tensor] | None = None) -> MeasuredStep:
     """One training step under the comm recorder and (memory=True) the memory tracker.
@@ -160,9 +117,8 @@ def measured_step(engine: Any, x: torch.Tensor, y: torch.Tensor, *, memory: bool
     its own (the blocks, to see a gather wait for its block) instead of one "forward" span.
     The memory tracker inspects every op: keep it off where the timing matters.
     """
-    # The recorder lines up the clocks of the engine's whole job (HSDP's spans several groups;
-    # an engine a learner wrote may only know its group).
-    group = getattr(engine, "job_group", getattr(engine, "group", None))
+    # The recorder lines up the clocks of the engine's whole job (HSDP's spans several groups).
+    group = engine.job_group
     tracker = track_memory(engine.state_tensors) if memory else contextlib.nullcontext()
     with comm.record_comm(group) as log, tracker as trace:
         hooks = _span_hooks(forward_spans, log)

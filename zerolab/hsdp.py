@@ -24,8 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
-from zerolab.mesh import make_nodes
-from zerolab.startup import broadcast_from_rank0
+from zerolab.parts.materialize import broadcast_from_rank0
+from zerolab.parts.mesh import make_nodes
 from zerolab.zero2 import GradShardedBucket
 from zerolab.zero3 import ZeRO3
 

@@ -41,10 +41,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zerolab.nest import tensors_in
+from zerolab.parts.nest import tensors_in
 
 CATEGORIES = ("params", "grads", "optimizer")  # the model states
-COMM = "comm"  # optional category (state_tensors()["comm"]): buffers collectives are using
 ACTIVATIONS = "activations"  # optional category: storages autograd saved for backward
 StateTensors = dict[str, Iterable[torch.Tensor]]
 

@@ -8,7 +8,7 @@
   embedding by default.
 
 Both are built from a typed config and a seed, and know how to make a batch and a loss, so that
-every strategy and the single-process reference train on exactly the same thing.
+every engine and the single-process reference train on exactly the same thing.
 """
 
 from __future__ import annotations

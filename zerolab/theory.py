@@ -57,14 +57,15 @@ def format_bytes(nbytes: float, decimal: bool = False, digits: int = 3) -> str:
 # --- stages, precisions, optimizers -------------------------------------------------------------
 
 STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
-NAIVE_ZERO1 = "ZeRO-1 (naive)"  # the article's ZeRO-1: all-reduce, keep your shard, all-gather
+# The article's ZeRO-1 (zerolab.zero1.ZeRO1AllReduce): all-reduce, keep your shard, all-gather.
+ALL_REDUCE_ZERO1 = "ZeRO-1 (all-reduce)"
 
 _STAGE_ALIASES = {
     "ddp": "DDP", "0": "DDP", "zero0": "DDP",
     "zero1": "ZeRO-1", "1": "ZeRO-1",
     "zero2": "ZeRO-2", "2": "ZeRO-2",
     "zero3": "ZeRO-3", "3": "ZeRO-3", "fsdp": "ZeRO-3",
-    "zero1naive": NAIVE_ZERO1, "zero1(naive)": NAIVE_ZERO1, "naivezero1": NAIVE_ZERO1,
+    "zero1allreduce": ALL_REDUCE_ZERO1, "zero1(allreduce)": ALL_REDUCE_ZERO1,
 }
 
 
@@ -72,7 +73,8 @@ def stage_name(stage: str | int) -> str:
     """Canonical stage name: 'zero2', 'ZeRO-2', 2 -> 'ZeRO-2'; 'ddp', 0 -> 'DDP'."""
     key = str(stage).lower().replace("-", "").replace("_", "").replace(" ", "")
     if key not in _STAGE_ALIASES:
-        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES} or {NAIVE_ZERO1!r}")
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES} or "
+                         f"{ALL_REDUCE_ZERO1!r}")
     return _STAGE_ALIASES[key]
 
 
@@ -165,7 +167,7 @@ def model_state_memory(
     k = optimizer_multiplier(optimizer, precision) if k is None else k
 
     n = world_size
-    shard_opt = stage != "DDP"  # every ZeRO stage, naive ZeRO-1 included
+    shard_opt = stage != "DDP"  # every ZeRO stage, ZeRO-1 by all-reduce included
     shard_grads = stage in ("ZeRO-2", "ZeRO-3")
     shard_params = stage == "ZeRO-3"
     return ModelStates(
@@ -211,9 +213,8 @@ def deepspeed_zero2_bytes(num_params: float, world_size: int) -> float:
     return 2 * num_params + 18 * num_params / world_size
 
 
-def deepspeed_zero3_bytes(
-    num_params: float, world_size: int, largest_layer_params: float = 0
-) -> float:
+def deepspeed_zero3_bytes(num_params: float, world_size: int,
+                          largest_layer_params: float = 0) -> float:
     """DeepSpeed's ZeRO-3 estimate per GPU without offload: 4·L + 18Ψ/N.
 
     L is the largest layer's parameter count: ZeRO-3 must gather one layer whole to run it,
@@ -246,11 +247,24 @@ def ring_sent_bytes(op: str, nbytes: float, world_size: int) -> float:
     return _RING_FACTOR[_op_name(op)] * (n - 1) / n * nbytes
 
 
+def rank_sent_bytes(op: str, nbytes: int, world_size: int, rank: int = 0, src: int = 0) -> int:
+    """Bytes rank `rank` sends for one collective over S=nbytes under the ring model: what
+    zerolab.comm records as each event's ring_bytes (a broadcast's depend on the rank)."""
+    n = world_size
+    if op in _RING_FACTOR:
+        return round(ring_sent_bytes(op, nbytes, n))
+    if op == "broadcast":  # pipelined ring from src: every rank but the last one forwards S
+        return 0 if n == 1 or rank == (src - 1) % n else nbytes
+    if op in ("send", "recv", "barrier"):
+        return nbytes if op == "send" and n > 1 else 0
+    raise ValueError(f"unknown op {op!r}")
+
+
 # The collectives of one training step, each over the whole model (Ψ elements).
 STEP_COLLECTIVES = {
     "DDP": ("all_reduce",),                                  # gradients
     "ZeRO-1": ("reduce_scatter", "all_gather"),              # grads -> shards, params <- shards
-    NAIVE_ZERO1: ("all_reduce", "all_gather"),               # article: full grads, then gather
+    ALL_REDUCE_ZERO1: ("all_reduce", "all_gather"),          # article: full grads, then gather
     "ZeRO-2": ("reduce_scatter", "all_gather"),              # same traffic as ZeRO-1
     "ZeRO-3": ("all_gather", "all_gather", "reduce_scatter"),  # params in fwd, again in bwd
 }
@@ -267,10 +281,9 @@ class CommVolume:
     ring_sent_bytes: float  # what one rank sends with ring algorithms: bytes × (N-1)/N
 
 
-def comm_volume(
-    num_params: float, world_size: int, stage: str | int, bytes_per_element: float = 4
-) -> CommVolume:
-    """Per-step communication of a stage: DDP, ZeRO-1, ZeRO-2 2Ψ; ZeRO-3 and naive ZeRO-1 3Ψ.
+def comm_volume(num_params: float, world_size: int, stage: str | int,
+                bytes_per_element: float = 4) -> CommVolume:
+    """Per-step communication of a stage: DDP, ZeRO-1, ZeRO-2 2Ψ; ZeRO-3, ZeRO-1 by all-reduce 3Ψ.
 
     `bytes_per_element`: 4 for fp32, 2 for bf16/fp16 gradients and parameters.
     """
@@ -289,17 +302,12 @@ def comm_volume(
 
 # --- model sizes --------------------------------------------------------------------------------
 
-MODEL_PRESETS = {
-    "125M": 125_000_000,
-    "1.3B": 1_300_000_000,
-    "7B": 7_000_000_000,
-    "70B": 70_000_000_000,
-}
+MODEL_PRESETS = {"125M": 125_000_000, "1.3B": 1_300_000_000, "7B": 7_000_000_000,
+                 "70B": 70_000_000_000}
 
 
-def gpt_param_count(
-    vocab_size: int, hidden: int, num_layers: int, seq_len: int, tied_embeddings: bool = True
-) -> int:
+def gpt_param_count(vocab_size: int, hidden: int, num_layers: int, seq_len: int,
+                    tied_embeddings: bool = True) -> int:
     """Parameters of a nanoGPT-style decoder (biases everywhere, LayerNorm with weight and bias).
 
         embeddings  V·h (tokens) + s·h (positions)
@@ -317,9 +325,8 @@ def gpt_param_count(
     return embeddings + blocks + 2 * h + head
 
 
-def activation_bytes_estimate(
-    seq_len: int, batch_size: int, hidden: int, num_heads: int, num_layers: int = 1
-) -> float:
+def activation_bytes_estimate(seq_len: int, batch_size: int, hidden: int, num_heads: int,
+                              num_layers: int = 1) -> float:
     """ESTIMATE of activation memory kept for backward: s·b·h·(34 + 5·a·s/h) bytes per layer.
 
     From Korthikanti et al. (2022), "Reducing Activation Recomputation in Large Transformer

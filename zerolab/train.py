@@ -1,8 +1,8 @@
-"""Train a tiny GPT on the built-in corpus with one of zerolab's strategies, on real processes.
+"""Train a tiny GPT on the built-in corpus with one of zerolab's engines, on real processes.
 
-    python -m zerolab.train --strategy zero3 --world-size 2 --steps 50
-    torchrun --nproc-per-node 2 -m zerolab.train --strategy zero3 --steps 20
-    python -m zerolab.train --strategy zero2 --trace trace.json     # open in ui.perfetto.dev
+    python -m zerolab.train --engine zero3 --world-size 2 --steps 50
+    torchrun --nproc-per-node 2 -m zerolab.train --engine zero3 --steps 20
+    python -m zerolab.train --engine zero2 --trace trace.json     # open in ui.perfetto.dev
 
 Without torchrun, the command spawns `--world-size` ranks itself (`zerolab.launch`: gloo on CPU,
 NCCL with one GPU per rank). Under torchrun (which sets RANK and WORLD_SIZE) every process joins
@@ -10,7 +10,7 @@ the job with `zerolab.init_from_env()` and trains: the same code on one laptop o
 
 Each step draws one global batch of `world_size * batch_size` windows of the corpus (the same
 on every rank, from the step's seed) and every rank trains on its own rows, so the losses do not
-depend on the strategy or on how the ranks were started. At the end it prints, per rank, the
+depend on the engine or on how the ranks were started. At the end it prints, per rank, the
 model-state bytes held after the last optimizer step, the peak memory of the last step (tracked
 with `zerolab.track_memory`, on that step only: the tracker slows every op) and the bytes each
 rank sent per step (`zerolab.record_comm`).
@@ -31,21 +31,21 @@ import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import harness
-from zerolab.comm import save_chrome_trace
+from zerolab import engines, harness
 from zerolab.data import Corpus
-from zerolab.launch import finish_torchrun_job
+from zerolab.launcher import finish_torchrun_job
+from zerolab.launcher.progress import ProgressBar, ProgressFile, follow_progress
 from zerolab.models import GPT, GPTConfig, num_params
-from zerolab.progress import ProgressBar, ProgressFile, follow_progress
+from zerolab.wire.trace import save_chrome_trace
 
-ENGINES = harness.ZEROLAB_ENGINES  # the strategies the command line offers
+ENGINES = engines.STAGE_ENGINES  # the engines the command line offers
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """One training run. Model sizes default to a GPT that learns the corpus in seconds."""
 
-    strategy: str = "zero3"  # ddp | zero1 | zero2 | zero3
+    engine: str = "zero3"  # ddp | zero1 | zero2 | zero3
     steps: int = 50  # optimizer steps
     world_size: int = 2  # ranks to spawn (ignored under torchrun, which decides)
     batch_size: int = 8  # sequences per rank per step
@@ -63,8 +63,8 @@ class TrainConfig:
     progress: bool = True  # a progress bar on stderr
 
     def check(self) -> None:
-        if self.strategy not in ENGINES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose from {list(ENGINES)}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"unknown engine {self.engine!r}; choose from {list(ENGINES)}")
         if self.steps < 1:
             raise ValueError("steps must be at least 1")
 
@@ -79,7 +79,7 @@ def train_worker(config: TrainConfig,
                              n_head=config.n_head, n_embd=config.n_embd, seed=config.seed)
     model = GPT(model_config).to(ctx.device)
     params = num_params(model)  # before the engine shards it: Ψ, every parameter once
-    engine = harness.make_engine(config.strategy, model, torch.optim.AdamW, lr=config.lr,
+    engine = engines.make_engine(config.engine, model, torch.optim.AdamW, lr=config.lr,
                                  weight_decay=config.weight_decay)
     show = progress if ctx.rank == 0 else None
 
@@ -89,7 +89,7 @@ def train_worker(config: TrainConfig,
         elif ctx.rank == 0:
             print(text, flush=True)
 
-    log(f"{config.strategy} on {ctx.world_size} rank(s) ({ctx.backend}), "
+    log(f"{config.engine} on {ctx.world_size} rank(s) ({ctx.backend}), "
         f"{params:,} parameters, vocabulary of {corpus.tokenizer.vocab_size} chars")
     losses: list[float] = []
     start = time.perf_counter()
@@ -116,7 +116,7 @@ def train_worker(config: TrainConfig,
     summary = {"rank": ctx.rank, "model_state_bytes": state_bytes,
                "peak_bytes": memory.peak_bytes, "peak_by_category": memory.peak_by_category,
                "device_peak_bytes": memory.device_peak_bytes,
-               "sent_bytes_per_step": comm_log.total_bytes() / config.steps,
+               "sent_bytes_per_step": comm_log.total_ring_bytes() / config.steps,
                "sent_by_op_per_step": {op: b / config.steps
                                        for op, b in comm_log.bytes_by_op().items()},
                "collectives_per_step": len(comm_log.events) / config.steps}
@@ -155,7 +155,7 @@ def format_summary(result: dict[str, Any]) -> str:
     """Loss at the start and end, then per rank: memory held, peak, and traffic."""
     losses = result["losses"]
     mib = 2**20
-    lines = [f"trained {result['config']['strategy']} on {result['world_size']} rank(s) "
+    lines = [f"trained {result['config']['engine']} on {result['world_size']} rank(s) "
              f"({result['backend']}): {len(losses)} steps in {result['seconds']:.1f} s, "
              f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
              "rank  state MiB (params/grads/optim)  peak MiB last step (params/grads/optim/"
@@ -181,13 +181,13 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     """Train; return rank 0's result (None on the other ranks under torchrun)."""
     config.check()
     if under_torchrun():
-        bar = ProgressBar(f"train {config.strategy}") if config.progress else None
+        bar = ProgressBar(f"train {config.engine}") if config.progress else None
         result = train_worker(config, bar)
         # Every rank finishes its collectives before any tears the group down (a rank that
         # destroys it while a peer's last collective is in flight can abort at exit).
         finish_torchrun_job()
         return result
-    bar = ProgressBar(f"train {config.strategy}") if config.progress else None
+    bar = ProgressBar(f"train {config.engine}") if config.progress else None
     with follow_progress(bar) if bar else contextlib.nullcontext() as sink:
         results = zerolab.launch(train_worker, config.world_size, args=(config, sink),
                                  backend=config.backend, timeout=3600)
@@ -202,7 +202,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m zerolab.train",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--strategy", choices=list(ENGINES), default=d.strategy)
+    p.add_argument("--engine", choices=list(ENGINES), default=d.engine)
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--world-size", type=int, default=d.world_size,
                    help="ranks to spawn (ignored under torchrun)")
@@ -220,7 +220,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--backend", choices=["gloo", "nccl"], help="spawn only (default: auto)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     a = p.parse_args(argv)
-    return TrainConfig(strategy=a.strategy, steps=a.steps, world_size=a.world_size,
+    return TrainConfig(engine=a.engine, steps=a.steps, world_size=a.world_size,
                        batch_size=a.batch_size, block_size=a.block_size, n_layer=a.n_layer,
                        n_head=a.n_head, n_embd=a.n_embd, lr=a.lr, log_every=a.log_every,
                        seed=a.seed, trace=a.trace, json=a.json, backend=a.backend,

@@ -36,10 +36,6 @@ class Unit:
     gathers: list = field(default_factory=list)  # all-gathers issued and not yet waited on
     in_backward: bool = False  # pre_backward ran: a forward now is a checkpoint's recompute
 
-    @property
-    def is_root(self) -> bool:
-        return self.name == "root"
-
 
 def make_units(model: nn.Module, units: Sequence[UnitSpec] | None = None) -> list[Unit]:
     """The model's units in running order, root last. Each parameter belongs to one unit."""

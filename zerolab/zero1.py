@@ -16,7 +16,7 @@ What changes from DDP (ddp.py):
   gather overlaps the next forward. `ZeRO1AfterBackward` keeps the schedule as the paper draws
   it (reduce-scatter after backward, all-gather before step() returns): same bytes, no overlap.
 
-`ZeRO1Naive` is the version many tutorials show: all-reduce the full gradient (2Ψ), keep your
+`ZeRO1AllReduce` is the version many tutorials show: all-reduce the full gradient (2Ψ), keep your
 shard of it, then all-gather the parameters (Ψ): 3Ψ, half as much again (1.5x) for the same
 result.
 
@@ -97,7 +97,7 @@ class ZeRO1(DDP):
         everyone's gradients for it. It stays inside flat_grad (the rest of which is now stale
         and unused), so that gradients still take 4Ψ, not 4Ψ + 4Ψ/N, and nothing is copied."""
         # One bucket at a time: on gloo the chunks sent to this rank land in scratch memory,
-        # (N-1)/N of a bucket, until they are added to its own (zerolab.backends).
+        # (N-1)/N of a bucket, until they are added to its own (zerolab.wire.backends).
         self._wait_pending()
         bucket.reduced = True
         own = shard(bucket.flat_grad, bucket.layout, self.rank)  # (shard_numel,) a view
@@ -151,10 +151,10 @@ class ZeRO1(DDP):
         return state
 
 
-class ZeRO1Naive(ZeRO1):
+class ZeRO1AllReduce(ZeRO1):
     """The tutorial version: all-reduce the whole gradient, keep your shard of it (3Ψ)."""
 
-    name = "zero1naive"
+    name = "zero1_all_reduce"
 
     def _reduce(self, bucket: ShardedBucket, phase: str) -> None:
         DDP._reduce(self, bucket, phase)  # DDP's all-reduce of the whole bucket (2Ψ, not Ψ)
@@ -167,7 +167,7 @@ class ZeRO1AfterBackward(ZeRO1):
     step() returns. The same bytes as ZeRO1; nothing overlaps (notebook 03 sets them side by
     side on a timeline)."""
 
-    name = "zero1after"
+    name = "zero1_after_backward"
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
         super().__init__(model, optimizer_cls, prefetch=False, **kwargs)

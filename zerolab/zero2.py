@@ -11,8 +11,9 @@ What changes from ZeRO-1 (zero1.py):
 - One bucket is reduced at a time: before starting the next reduce-scatter we wait for the
   previous one, so its flat buffer is freed before the next is made.
 
-`ZeRO2Naive` waits until backward is over to reduce-scatter: the same bytes at rest after the
-step, but at the peak every full gradient is alive at once, so it saves nothing where it counts.
+`ZeRO2AfterBackward` waits until backward is over to reduce-scatter: the same bytes at rest after
+the step, but at the peak every full gradient is alive at once, so it saves nothing where it
+counts.
 Notebook 04 measures both.
 """
 
@@ -90,10 +91,10 @@ class ZeRO2(ZeRO1):
         return state
 
 
-class ZeRO2Naive(ZeRO2):
+class ZeRO2AfterBackward(ZeRO2):
     """Reduce-scatter only after backward: the full gradient is alive at the peak."""
 
-    name = "zero2naive"
+    name = "zero2_after_backward"
 
     def _bucket_ready(self, bucket: GradShardedBucket) -> None:
         """Do nothing during backward; step() reduces every bucket afterwards."""

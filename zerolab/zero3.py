@@ -17,8 +17,11 @@ What changes from ZeRO-2 (zero2.py):
   1.5x DDP's 2Ψ. That is the price of holding 1/N of the parameters.
 - Prefetch (on by default): when a unit starts, the all-gather of the next unit (next in forward,
   previous in backward) is issued asynchronously, so communication overlaps compute.
-- ZeRO++ options (quantize_weights, secondary_shard_size) change how the weights travel, not
-  when: zeropp.py.
+- One bucket per unit: ZeRO-3 reduces a unit's gradients when its backward is over, so
+  `bucket_bytes` has no meaning here and is refused.
+
+ZeRO++ (zeropp.py) subclasses this file: it changes how a unit's weights travel (`_gather`),
+not when.
 
 Which parameters form each unit (and the root, the model itself, which holds the embeddings,
 the final LayerNorm and any weight two units share) is decided by `make_units` (units.py)
@@ -30,14 +33,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
-from zerolab.memory import InFlight
-from zerolab.nest import tensors_in
+from zerolab.parts.materialize import materialize, materialize_flat, param_names
+from zerolab.parts.nest import tensors_in
 from zerolab.sharding import FlatLayout, Slot, unflatten
-from zerolab.startup import materialize, materialize_flat, param_names
 from zerolab.units import Unit, UnitSpec, make_units
 from zerolab.zero2 import GradShardedBucket, ZeRO2
 
@@ -45,20 +46,34 @@ from zerolab.zero2 import GradShardedBucket, ZeRO2
 class ZeRO3(ZeRO2):
     name = "zero3"
 
+    # Note: ZeRO++ is a subclass (zeropp.ZeroPP). design.md's spelling builds it from here,
+    # `ZeRO3(model, AdamW, quantize_weights=True)`: __new__ hands a call that names one of a
+    # subclass's `options` to that subclass, which Python then initialises with the same
+    # arguments. The subclass is found among ZeRO3's subclasses, so this file imports nothing
+    # of ZeRO++.
+    options: tuple[str, ...] = ()  # keyword arguments a subclass adds to ZeRO-3's
+
+    def __new__(cls, *args, **kwargs):
+        if cls is ZeRO3:
+            for sub in cls.__subclasses__():
+                if any(kwargs.get(name) for name in sub.options):
+                    return super().__new__(sub)
+        return super().__new__(cls)
+
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 units: Sequence[UnitSpec] | None = None, prefetch: bool = True,
-                 quantize_weights: bool = False, secondary_shard_size: int | None = None,
-                 **kwargs):
+                 units: Sequence[UnitSpec] | None = None, prefetch: bool = True, **kwargs):
+        if "bucket_bytes" in kwargs:
+            raise TypeError("ZeRO3 takes no bucket_bytes: each unit's gradients are reduced as "
+                            "one bucket when its backward is over. Choose the units instead "
+                            "(units=[...]).")
+        for name in {n for sub in ZeRO3.__subclasses__() for n in sub.options} - {*self.options}:
+            if kwargs.pop(name, None):  # False / None: plain ZeRO-3, as __new__ decided
+                raise TypeError(f"{type(self).__name__} takes no {name} (a ZeRO++ option: "
+                                f"zerolab.ZeroPP)")
         self.units = make_units(model, units)  # which parameters each unit gathers, root last
         self.root = self.units[-1]
         super().__init__(model, optimizer_cls, prefetch=prefetch, **kwargs)
         self._unit_of = {b.name: u for u in self.units for b in u.buckets}
-        self.weight_gather = WeightGather(self.name, self.group)
-        if quantize_weights or secondary_shard_size:  # ZeRO++: the same steps, fewer bytes
-            from zerolab.zeropp import ZeroPPGather
-
-            self.weight_gather = ZeroPPGather(self.name, self.group, quantize_weights,
-                                              secondary_shard_size)
 
     # ---- set-up: each unit's shards -----------------------------------------------------------
 
@@ -109,7 +124,7 @@ class ZeRO3(ZeRO2):
             for b in unit.buckets:
                 storage = b.flat_param.untyped_storage()
                 storage.resize_(b.layout.padded_numel * b.flat_param.element_size())
-                unit.gathers.append(self.weight_gather.gather(b, phase, async_op))
+                unit.gathers.append(self._gather(b, phase, async_op))
         if async_op:
             return
         for handle in unit.gathers:
@@ -119,6 +134,13 @@ class ZeRO3(ZeRO2):
             for p, view in zip(b.params, unflatten(b.flat_param, b.layout)):
                 p.data = view
         unit.unsharded = True
+
+    def _gather(self, b: GradShardedBucket, phase: str, async_op: bool) -> comm.Handle:
+        """Fill b.flat_param (padded_numel,) from every rank's b.local_shard (shard_numel,):
+        an all-gather in full precision over the engine's group. (ZeRO++ moves fewer bytes.)"""
+        return comm.all_gather(b.flat_param, b.local_shard.detach(),
+                               tag=f"{self.name}/{phase}/{b.name}", group=self.group,
+                               async_op=async_op)
 
     def reshard(self, unit: Unit) -> None:
         """Free the unit's full parameters; only the local shards remain."""
@@ -161,8 +183,6 @@ class ZeRO3(ZeRO2):
         if unit.in_backward:  # a checkpoint's recompute: keep the unit for its backward
             return
         for u in self.units if unit is self.root else [unit]:  # root: the forward is over
-            for b in u.buckets if u.unsharded else []:
-                self.weight_gather.after_forward(b)
             self.reshard(u)
         for t in tensors_in(output):
             if t.requires_grad:  # fires when the gradient w.r.t. this output is ready
@@ -177,11 +197,11 @@ class ZeRO3(ZeRO2):
     def _bucket_ready(self, bucket: GradShardedBucket) -> None:
         """post_backward: every gradient of the unit is in: reduce-scatter, then reshard."""
         super()._bucket_ready(bucket)  # ZeRO-2's reduce-scatter (skipped inside no_sync())
-        unit = self._unit_of[bucket.name]
+        self.post_backward(self._unit_of[bucket.name])
+
+    def post_backward(self, unit: Unit) -> None:
         unit.in_backward = False
         self.reshard(unit)
-        for b in unit.buckets:
-            self.weight_gather.after_backward(b)
 
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:
         order = self.units[:-1]  # the root is gathered for the whole forward: never prefetched
@@ -195,20 +215,16 @@ class ZeRO3(ZeRO2):
     def _finish_backward(self) -> None:
         super()._finish_backward()  # reduces what backward did not (unused parameters)
         for unit in self.units:  # units with frozen parameters only, and unused prefetches
-            unit.in_backward = False
-            self.reshard(unit)
-            for b in unit.buckets:
-                self.weight_gather.after_backward(b)
+            self.post_backward(unit)
 
     def _after_step(self) -> None:
         """Nothing to gather: the next forward gathers each unit when it needs it."""
 
     def state_tensors(self):
         state = super().state_tensors()
+        # A gather writes straight into the unit's flat_param ("params").
         state["params"] = [t for u in self.units for b in u.buckets
-                           for t in (b.local_shard, b.flat_param)] + self.weight_gather.held()
-        # A gather writes straight into the unit's flat_param ("params"); qwZ adds buffers.
-        state["comm"] = state["comm"] + self.weight_gather.in_flight.tensors()
+                           for t in (b.local_shard, b.flat_param)]
         return state
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -219,28 +235,3 @@ class ZeRO3(ZeRO2):
             self.reshard(unit)
         return state
 
-
-class WeightGather:
-    """How ZeRO-3 moves a unit's weights: an all-gather of every rank's shard, in full precision,
-    over the engine's group. (ZeRO++ moves fewer bytes across nodes: zeropp.py.)"""
-
-    def __init__(self, name: str, group: dist.ProcessGroup | None):
-        self.name = name  # the stage, first part of the comm tags
-        self.group = group
-        self.in_flight = InFlight()  # buffers of its own a gather uses now (qwZ's int8 ones)
-
-    def gather(self, b, phase: str, async_op: bool) -> comm.Handle:
-        """Fill b.flat_param (padded_numel,) from every rank's b.local_shard (shard_numel,)."""
-        return comm.all_gather(b.flat_param, b.local_shard.detach(),
-                               tag=f"{self.name}/{phase}/{b.name}", group=self.group,
-                               async_op=async_op)
-
-    def after_forward(self, b) -> None:
-        """The unit's forward is over and its full weights are about to be freed."""
-
-    def after_backward(self, b) -> None:
-        """The unit's backward is over."""
-
-    def held(self) -> list[torch.Tensor]:
-        """Weights this object keeps (for measurement)."""
-        return []

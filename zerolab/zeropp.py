@@ -1,7 +1,11 @@
-"""How ZeRO-3 moves a unit's weights, and ZeRO++'s two ways to move fewer of them across nodes.
+"""ZeRO++: ZeRO-3 with fewer of its bytes crossing between nodes.
 
-    engine = zerolab.ZeRO3(model, torch.optim.AdamW, quantize_weights=True,
-                           secondary_shard_size=2, lr=1e-3)
+    engine = zerolab.ZeroPP(model, torch.optim.AdamW, quantize_weights=True,
+                            secondary_shard_size=2, lr=1e-3)
+    # the same engine, as design.md spells it: zerolab.ZeRO3(model, ..., quantize_weights=True)
+
+What changes from ZeRO-3 (zero3.py): only how a unit's weights travel (`_gather`), and hpZ's
+secondary shard kept between forward and backward (`post_forward`, `post_backward`).
 
 ZeRO-3 all-gathers each unit twice per step, in forward and again in backward, over every rank:
 2Ψ of its 3Ψ, and on a cluster most of it crosses the slow links between nodes. ZeRO++ (Wang et
@@ -30,40 +34,51 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from zerolab import comm
-from zerolab.backends import Joined
-from zerolab.mesh import Nodes, make_nodes
-from zerolab.quantize import BLOCK, dequantize_int8, quantize_int8
-from zerolab.zero3 import WeightGather
+from zerolab.parts.mesh import Nodes, make_nodes
+from zerolab.parts.quantize import BLOCK, dequantize_int8, quantize_int8
+from zerolab.units import Unit
+from zerolab.wire.backends import Joined
+from zerolab.zero2 import GradShardedBucket
+from zerolab.zero3 import ZeRO3
 
 
-class ZeroPPGather(WeightGather):
-    """qwZ (int8 forward gather) and/or hpZ (a secondary shard, backward gathers in the node)."""
+class ZeroPP(ZeRO3):
+    """ZeRO-3 with qwZ (int8 forward gather) and/or hpZ (a secondary shard: backward gathers
+    inside the node)."""
 
-    def __init__(self, name: str, group: dist.ProcessGroup | None, quantize_weights: bool,
-                 secondary_shard_size: int | None):
-        super().__init__(name, group)
+    name = "zeropp"
+    options = ("quantize_weights", "secondary_shard_size")
+
+    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
+                 quantize_weights: bool = False, secondary_shard_size: int | None = None,
+                 **kwargs):
+        # hpZ's nodes first: ZeRO-3's set-up reshards every unit (post_backward is not run).
         self.quantize_weights = quantize_weights
-        self.nodes: Nodes | None = (make_nodes(secondary_shard_size, group)
+        self.nodes: Nodes | None = (make_nodes(secondary_shard_size, kwargs.get("group"))
                                     if secondary_shard_size else None)
         self.secondary: dict[str, torch.Tensor] = {}  # bucket name -> (padded_numel / k,)
+        super().__init__(model, optimizer_cls, **kwargs)
 
-    def gather(self, b, phase: str, async_op: bool):
+    # ---- how a unit's weights travel -----------------------------------------------------------
+
+    def _gather(self, b: GradShardedBucket, phase: str, async_op: bool) -> comm.Handle:
         if phase == "bwd" and b.name in self.secondary:  # hpZ: inside the node only
             return comm.all_gather(b.flat_param, self.secondary[b.name],
                                    tag=f"{self.name}/{phase}/{b.name}", group=self.nodes.node,
                                    async_op=async_op)
         if phase == "fwd" and self.quantize_weights:  # qwZ
             return self._gather_int8(b, phase, async_op)
-        return super().gather(b, phase, async_op)
+        return super()._gather(b, phase, async_op)
 
-    def _gather_int8(self, b, phase: str, async_op: bool) -> Joined:
+    def _gather_int8(self, b: GradShardedBucket, phase: str, async_op: bool) -> Joined:
         world_size = b.layout.world_size
         q, scales = quantize_int8(b.local_shard.detach())  # (shard_numel,), (blocks,)
         all_q = torch.empty(world_size * q.numel(), dtype=torch.int8, device=q.device)
         all_scales = torch.empty(world_size * scales.numel(), device=q.device)
-        self.in_flight.add(q, scales, all_q, all_scales)
+        self.in_flight.add(q, scales, all_q, all_scales)  # "comm" in a memory trace
         handles = [comm.all_gather(all_q, q, tag=f"{self.name}/{phase}/{b.name}.int8",
                                    group=self.group, async_op=async_op),
                    comm.all_gather(all_scales, scales, tag=f"{self.name}/{phase}/{b.name}.scales",
@@ -77,14 +92,28 @@ class ZeroPPGather(WeightGather):
 
         return Joined(handles, dequantize)
 
-    def after_forward(self, b) -> None:
-        if self.nodes is not None:  # hpZ: keep this rank's part of the node's copy
-            k, j = self.nodes.size, dist.get_rank(self.nodes.node)
-            part = b.layout.padded_numel // k
-            self.secondary[b.name] = b.flat_param[j * part:(j + 1) * part].clone()
+    # ---- hpZ: the secondary shard, from forward to backward ------------------------------------
 
-    def after_backward(self, b) -> None:
-        self.secondary.pop(b.name, None)
+    def post_forward(self, unit: Unit, output) -> None:
+        if self.nodes is not None and not unit.in_backward:
+            for u in self.units if unit is self.root else [unit]:  # what is about to be freed
+                for b in u.buckets if u.unsharded else []:
+                    self._keep_secondary(b)
+        super().post_forward(unit, output)
 
-    def held(self) -> list[torch.Tensor]:
-        return list(self.secondary.values())
+    def _keep_secondary(self, b: GradShardedBucket) -> None:
+        """This rank's part of the node's copy of the unit: 1/k of it, cut so that the k ranks
+        of the node together hold the whole unit."""
+        k, j = self.nodes.size, dist.get_rank(self.nodes.node)
+        part = b.layout.padded_numel // k
+        self.secondary[b.name] = b.flat_param[j * part:(j + 1) * part].clone()
+
+    def post_backward(self, unit: Unit) -> None:
+        super().post_backward(unit)
+        for b in unit.buckets:
+            self.secondary.pop(b.name, None)
+
+    def state_tensors(self):
+        state = super().state_tensors()
+        state["params"] = state["params"] + list(self.secondary.values())
+        return state

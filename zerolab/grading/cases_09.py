@@ -10,7 +10,7 @@ import torch
 from zerolab.grading.exercise import Case, Exercise, _tuple_outputs
 from zerolab.grading.inputs import _fixed, _gen
 from zerolab.grading.mistakes import Evidence, Mistake, matches
-from zerolab.quantize import quantize_int8
+from zerolab.parts.quantize import quantize_int8
 
 # (N, ranks per node): one rank, one node, a rank per node, notebook 09's 2x2, nodes of 3,
 # nodes of 8 GPUs from 2 to 128 nodes.
@@ -18,9 +18,9 @@ _LAYOUTS_9_1 = [(1, 1), (4, 4), (4, 1), (4, 2), (12, 3), (16, 8), (64, 8), (1024
 
 
 def _cases_9_1() -> list[Case]:
-    return [Case(f"Ψ={psi:g}, N={n}, nodes of {k}, {strategy}", _fixed(psi, n, k, strategy))
+    return [Case(f"Ψ={psi:g}, N={n}, nodes of {k}, {engine}", _fixed(psi, n, k, engine))
             for psi in (1000, 205_184, 7e9, 70e9) for n, k in _LAYOUTS_9_1
-            for strategy in ("ZeRO-3", "HSDP")]
+            for engine in ("ZeRO-3", "HSDP")]
 
 
 # name -> (number of values, block, what is special about it); all seeded, the same everywhere
@@ -75,14 +75,14 @@ def _bytes_9_1(ev: Evidence, *, ring: bool = True, inside_counts: bool = False,
                elements: bool = False, hsdp_over: str = "nodes") -> float:
     """9.1's answer with one thing changed: no (n-1)/n, a collective inside one node counted,
     elements instead of bytes, or HSDP's all-reduce over other ranks or a whole gradient."""
-    psi, n, k, strategy = ev.inputs()
+    psi, n, k, engine = ev.inputs()
     full = (1 if elements else 4) * psi
 
     def sent(factor: int, size: int, nbytes: float) -> float:
         return factor * ((size - 1) / size if ring else 1.0) * nbytes
     if k == n and not inside_counts:
         return 0.0
-    if strategy == "ZeRO-3":
+    if engine == "ZeRO-3":
         return sent(3, n, full)
     if hsdp_over == "world":
         return sent(2, n, full / k)

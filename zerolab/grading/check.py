@@ -80,7 +80,7 @@ def _run(ex: Exercise, fn: Callable, case: Case, rank: int, world_size: int,
         outputs = ex.outputs(result, args)
         if ex.comm_checked:
             outputs["comm ops"] = sorted({e.op for e in log.events})
-            outputs["bytes sent"] = log.total_bytes()
+            outputs["bytes sent"] = log.total_ring_bytes()
     changed = {name: why for name, i in watched.items()
                if (why := _what_changed(before[name], args[i])) is not None}
     return _Call(outputs, changed, args)

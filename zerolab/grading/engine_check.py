@@ -14,7 +14,6 @@ import functools
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,31 +33,9 @@ from zerolab.grading.engine_model import (
     engine_cases,
     make_model,
 )
-from zerolab.grading.engine_verdict import known_mistakes, verdict
+from zerolab.grading.engine_verdict import Measure, StepResult, known_mistakes, verdict
 from zerolab.grading.exercise import Case, Exercise
 from zerolab.memory import model_state_bytes
-
-
-@dataclass
-class Measure:
-    """One measured step of one engine on this rank."""
-
-    held: dict[str, int]  # model-state bytes after step(), before zero_grad()
-    peaks: dict[str, int]  # each category's largest live bytes during the step
-    ops: Counter  # (phase, op) -> calls; phase: the span the call was issued in
-    blocking: Counter  # (phase, op) -> calls made with async_op=False
-    tags: list[tuple[str, str, str]]  # (phase, op, tag) of every call
-    ring_bytes: int  # what this rank sent in the ring model
-
-
-@dataclass
-class StepResult:
-    """What one engine did in one step on this rank."""
-
-    loss: float
-    state: dict[str, torch.Tensor]  # full_state_dict() after step()
-    frozen_grads: list[str]  # frozen parameters that had a .grad after step()
-    measure: Measure | None
 
 
 class _Engine:
@@ -66,7 +43,7 @@ class _Engine:
     model too (every parameter, every .grad alive), not only from what state_tensors() lists."""
 
     def __init__(self, engine: Any, model: nn.Module, group: dist.ProcessGroup | None):
-        self.engine, self.module, self.group = engine, model, group
+        self.engine, self.module, self.group, self.job_group = engine, model, group, group
         self.params = list(model.parameters())  # the same objects whatever .data they get
 
     def __call__(self, *args: Any) -> Any:
@@ -131,7 +108,9 @@ def _run(stage_name: str, learner_cls: type, setting: Setting, rank: int, world_
     models = make_model(), make_model()
     initial = {k: v.clone() for k, v in models[0].state_dict().items()}
     args = (setting.optimizer_cls,)
-    kwargs = dict(group=group, bucket_bytes=BUCKET_BYTES, **setting.optimizer_kwargs)
+    kwargs = dict(group=group, **setting.optimizer_kwargs)
+    if stage_name != "zero3":  # ZeRO-3 reduces a unit at a time: no bucket size to give
+        kwargs["bucket_bytes"] = BUCKET_BYTES
     reference = _Engine(STAGES[stage_name].reference(models[0], *args, **kwargs), models[0],
                         group)
     try:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -22,8 +23,28 @@ from zerolab.grading.compare import _compare_tensors
 from zerolab.grading.engine_model import FROZEN, LOSS_RTOL, PARAM_ATOL, Sizes, Stage
 from zerolab.grading.mistakes import Mistake
 
-if TYPE_CHECKING:
-    from zerolab.grading.engine_check import Measure, StepResult
+
+@dataclass
+class Measure:
+    """One measured step of one engine on this rank."""
+
+    held: dict[str, int]  # model-state bytes after step(), before zero_grad()
+    peaks: dict[str, int]  # each category's largest live bytes during the step
+    ops: Counter  # (phase, op) -> calls; phase: the span the call was issued in
+    blocking: Counter  # (phase, op) -> calls made with async_op=False
+    tags: list[tuple[str, str, str]]  # (phase, op, tag) of every call
+    ring_bytes: int  # what this rank sent in the ring model
+
+
+@dataclass
+class StepResult:
+    """What one engine did in one step on this rank."""
+
+    loss: float
+    state: dict[str, torch.Tensor]  # full_state_dict() after step()
+    frozen_grads: list[str]  # frozen parameters that had a .grad after step()
+    measure: Measure | None
+
 
 Record = dict[str, Any]
 CATEGORIES = ("params", "grads", "optimizer")

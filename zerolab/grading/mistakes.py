@@ -166,14 +166,6 @@ def padding_kept(ev: Evidence) -> bool:
     return _same(expected.reshape(-1), got.reshape(-1)[:expected.numel()])
 
 
-def padding_kept_in_front(ev: Evidence) -> bool:
-    """A tensor with more elements than expected, which ends with the expected ones."""
-    got, expected = ev.got, ev.expected
-    if not isinstance(got, torch.Tensor) or got.numel() <= expected.numel():
-        return False
-    return _same(expected.reshape(-1), got.reshape(-1)[got.numel() - expected.numel():])
-
-
 def used_instead(wrong_op: str, right_op: str) -> Test:
     """The comm log: `wrong_op` called where the solution calls `right_op`."""
     return lambda ev: (right_op in ev.expected and wrong_op in ev.got

@@ -28,7 +28,7 @@ from zerolab.grading.defaults import GRACE, STARTUP_ALLOWANCE
 from zerolab.grading.exercise import Exercise
 from zerolab.grading.ranks import _worker
 from zerolab.grading.report import Result, _result_from
-from zerolab.launch import LaunchError, LaunchTimeout, launch
+from zerolab.launcher import LaunchError, LaunchTimeout, launch
 
 # ---- plain exercises: in this process -----------------------------------------------------------
 

@@ -22,12 +22,11 @@ import torch
 from torch import nn
 
 import zerolab
-from zerolab import harness, models
+from zerolab import engines, harness, models
 from zerolab.comm import CommLog
-from zerolab.ddp import DDP
+from zerolab.ddp import DDPAfterBackward
 from zerolab.lessons.n01_memory import DDPMemory, ddp_memory
 from zerolab.memory import MemoryTrace
-from zerolab.sharding import Bucket
 
 # Big enough that buckets matter: Ψ = 834,304 parameters in 52 tensors, 3.2 MiB of fp32 grads.
 SWEEP_CONFIG = models.GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -55,14 +54,6 @@ def flat_grad_views(params: list[nn.Parameter]) -> torch.Tensor:
         p.grad = flat[offset:offset + p.numel()].view_as(p)
         offset += p.numel()
     return flat
-
-
-class DDPAfterBackward(DDP):
-    """DDP without the overlap: a bucket that backward completes is left alone; step() then
-    reduces every bucket (DDP._finish_backward reduces what backward did not), tag ddp/step/."""
-
-    def _bucket_ready(self, bucket: Bucket) -> None:
-        pass
 
 
 @dataclass
@@ -119,7 +110,7 @@ def ddp_lesson(bucket_sizes: tuple[int, ...] = SWEEP_BUCKETS, steps: int = 2,
 
     sweep = []
     for bucket_bytes in bucket_sizes:
-        engine = harness.make_engine("ddp", models.GPT(SWEEP_CONFIG).to(ctx.device),
+        engine = engines.make_engine("ddp", models.GPT(SWEEP_CONFIG).to(ctx.device),
                                      bucket_bytes=bucket_bytes)
         seconds = []
         for step in range(steps + 1):  # the first step is a warm-up (Adam creates its state)
@@ -133,7 +124,7 @@ def ddp_lesson(bucket_sizes: tuple[int, ...] = SWEEP_BUCKETS, steps: int = 2,
     for name in ("ddp", "after"):
         model = models.GPT(SWEEP_CONFIG).to(ctx.device)
         engine = (DDPAfterBackward(model, torch.optim.AdamW) if name == "after"
-                  else harness.make_engine("ddp", model))
+                  else engines.make_engine("ddp", model))
         logs.append([harness.measured_step(engine, *batch(step), memory=False).log
                      for step in range(steps + 1)][1:])  # after a warm-up step
         states.append(engine.full_state_dict())
@@ -157,7 +148,7 @@ def ddp_memory_split(batch_sizes: tuple[int, ...] = (4, 8, 16)) -> MemorySplit:
     activations=True, so that "other" splits into activations and temporaries."""
     ctx = zerolab.init_from_env()
     model = models.GPT().to(ctx.device)
-    engine = harness.make_engine("ddp", model)
+    engine = engines.make_engine("ddp", model)
 
     def tracked_step(step: int, per_rank: int) -> MemoryTrace:
         x, y = (t.to(ctx.device) for t in harness.local_batch(

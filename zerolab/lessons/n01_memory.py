@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 import zerolab
-from zerolab import harness, models
+from zerolab import engines, harness, models
 from zerolab.memory import MemoryTrace
 
 
@@ -47,7 +47,7 @@ def ddp_memory(batch_sizes: tuple[int, ...] = (4, 8, 16), lr: float = 1e-3) -> D
     """
     ctx = zerolab.init_from_env()
     model = models.GPT().to(ctx.device)
-    engine = harness.make_engine("ddp", model, lr=lr)  # zerolab.DDP with AdamW
+    engine = engines.make_engine("ddp", model, lr=lr)  # zerolab.DDP with AdamW
 
     def batch(step: int, per_rank: int) -> tuple[torch.Tensor, ...]:
         # x, y: (per_rank, 16) token ids, this rank's rows of the step's global batch
@@ -69,7 +69,7 @@ def ddp_memory(batch_sizes: tuple[int, ...] = (4, 8, 16), lr: float = 1e-3) -> D
 
     # Mixed precision: bf16 parameters and gradients; the optimizer steps fp32 master copies.
     model16 = models.GPT().to(ctx.device)
-    engine16 = harness.make_engine("ddp", model16, param_dtype=torch.bfloat16, lr=lr)
+    engine16 = engines.make_engine("ddp", model16, param_dtype=torch.bfloat16, lr=lr)
     mixed = harness.measured_step(engine16, x, y, memory=False).held
 
     return DDPMemory(psi=models.num_params(model), param_tensors=len(list(model.parameters())),

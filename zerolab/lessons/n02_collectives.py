@@ -20,8 +20,9 @@ import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import backends, comm, wire
+from zerolab import comm
 from zerolab.comm import CommLog
+from zerolab.wire import backends, written
 
 Ints = list[int | None]  # a tensor of small integers as a list; None: a slot not received yet
 
@@ -166,9 +167,9 @@ def torch_reduce_scatter_bytes(group: dist.ProcessGroup, numel: int, device: tor
     n = dist.get_world_size(group)
     full, part = torch.ones(numel, device=device), torch.empty(numel // n, device=device)
     comm.barrier(tag="lesson02/bytes/torch_rs_start", group=group)
-    before = wire.read(threading.get_native_id())
+    before = written.read(threading.get_native_id())
     backends.torch_reduce_scatter(part, full, group=group)
-    after = wire.read(threading.get_native_id())
+    after = written.read(threading.get_native_id())
     return None if before is None or after is None else after.process - before.process
 
 

@@ -1,4 +1,4 @@
-"""Notebook 03: ZeRO-1 against DDP, the naive ZeRO-1 that all-reduces, ZeRO-1's schedule and
+"""Notebook 03: ZeRO-1 against DDP, ZeRO-1 by all-reduce (ZeRO1AllReduce), ZeRO-1's schedule and
 ZeRO-1 against ZeRO-2 under gradient accumulation.
 
 `zero1_lesson` runs on each rank of `zerolab.launch(zero1_lesson, world_size=4)`: it runs
@@ -9,8 +9,8 @@ by side. Each job sees the same global batch, cut into k slices, so every job at
 end with the same model. `overlap` (the paper's ZeRO-1 schedule against zerolab's overlapped
 one) and `accumulation` (ZeRO-1 against ZeRO-2 over 4 micro-batches) run on all 4 ranks.
 
-Engines are named as in `zerolab.harness.ENGINES` ("ddp", "zero1", "zero1naive"; harness.label
-gives "DDP", "ZeRO-1", "ZeRO-1 naive"), and each step is the harness's.
+Engines are named as in `zerolab.engines.ENGINES` ("ddp", "zero1", "zero1_all_reduce"; engines.label
+gives "DDP", "ZeRO-1", "ZeRO-1 by all-reduce"), and each step is the harness's.
 """
 
 from __future__ import annotations
@@ -21,15 +21,15 @@ import torch
 import torch.distributed as dist
 
 import zerolab
-from zerolab import harness, models
+from zerolab import engines, harness, models
 from zerolab.comm import CommLog
 
-COMPARED = ("ddp", "zero1", "zero1naive")  # the engines compared, by their harness names
+COMPARED = ("ddp", "zero1", "zero1_all_reduce")  # the engines compared, by their harness names
 GLOBAL_BATCH = 8  # sequences per step over the whole job; divides by 1, 2 and 4
 STEPS = 2  # one plain step (Adam state is born), then the measured one
 LR = 1e-3
 SMALL_BUCKETS = 32 * 1024  # bucket_bytes for `overlap` and `accumulation`: 4 buckets, not 1
-SCHEDULES = ("zero1after", "zero1")  # the paper's schedule, then zerolab's overlapped one
+SCHEDULES = ("zero1_after_backward", "zero1")  # the paper's schedule, then zerolab's overlapped one
 MICRO_BATCHES = 4
 ACCUMULATION = (("zero1", True), ("zero2", True), ("zero2", False))  # (engine, use no_sync)
 
@@ -57,7 +57,7 @@ def train(engine_name: str, group: dist.ProcessGroup, device: torch.device, step
     """
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     model = models.GPT(models.GPTConfig(seed=rank)).to(device)
-    engine = harness.make_engine(engine_name, model, group=group, lr=LR)
+    engine = engines.make_engine(engine_name, model, group=group, lr=LR)
 
     def batch(step: int) -> list[torch.Tensor]:
         # x, y: (GLOBAL_BATCH / n, 16) tokens, this rank's rows of the step's global batch
@@ -74,7 +74,8 @@ def train(engine_name: str, group: dist.ProcessGroup, device: torch.device, step
 
 
 def compare_stages(sizes: tuple[int, ...] = (1, 2, 4)) -> dict[int, dict[str, StageRun]]:
-    """DDP, ZeRO-1 and naive ZeRO-1 at each group size k in `sizes` (k divides the world size).
+    """DDP, ZeRO-1 and ZeRO-1 by all-reduce at each group size k in `sizes` (k divides the world
+    size).
 
     Returns {k: {engine name: this rank's `train` run in its job of k ranks}}.
     """
@@ -103,7 +104,7 @@ def _model_and_batches(group: dist.ProcessGroup | None, device: torch.device, se
 class ScheduleRun:
     """Two consecutive steps of one ZeRO-1 schedule, recorded in one log (after a warm-up)."""
 
-    engine: str  # "zero1after" (the paper's) or "zero1" (gather overlapping the next forward)
+    engine: str  # "zero1_after_backward" or "zero1" (gather overlapping the next forward)
     log: CommLog  # both steps: spans forward, backward, step, twice; every collective
     buckets: int  # buckets (4 with SMALL_BUCKETS): one reduce-scatter and one gather each
 
@@ -113,7 +114,7 @@ def overlap(engine_name: str, group: dist.ProcessGroup | None, device: torch.dev
     """One warm-up step, then two steps in one log: with "zero1", the gathers issued at the end
     of the first step() are waited for inside the second forward, so both steps are needed."""
     model, batches = _model_and_batches(group, device, range(3))
-    engine = harness.make_engine(engine_name, model, group=group, lr=LR,
+    engine = engines.make_engine(engine_name, model, group=group, lr=LR,
                                  bucket_bytes=SMALL_BUCKETS)
     harness.train_step(engine, *batches[0])
     engine.wait_params()
@@ -141,7 +142,7 @@ def accumulation(engine_name: str, no_sync: bool, group: dist.ProcessGroup | Non
     """MICRO_BATCHES micro-batches (each a global batch of GLOBAL_BATCH) and one step, under
     the comm recorder and the memory tracker."""
     model, micro = _model_and_batches(group, device, range(100, 100 + MICRO_BATCHES))
-    engine = harness.make_engine(engine_name, model, group=group, lr=LR,
+    engine = engines.make_engine(engine_name, model, group=group, lr=LR,
                                  bucket_bytes=SMALL_BUCKETS)
     x, y = (torch.cat(parts) for parts in zip(*micro))  # harness.train_step cuts them again
     with zerolab.record_comm(group) as log, zerolab.track_memory(engine.state_tensors) as mem:

@@ -1,7 +1,7 @@
 """Notebook 04, ZeRO-2: what the gradient hook buys, measured on every rank.
 
 Three engines train the same small GPT on the same batches: ZeRO-1 (full gradients),
-ZeRO2Naive (reduce-scatter after backward) and ZeRO2 (reduce-scatter each bucket during
+ZeRO2AfterBackward (reduce-scatter after backward) and ZeRO2 (reduce-scatter each bucket during
 backward, then free it). For each, one launch measures on every rank, with
 `harness.measured_step`:
 
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerolab import comm, harness
+from zerolab import comm, engines, harness
 from zerolab.comm import CommLog
 from zerolab.harness import MeasuredStep
 from zerolab.models import GPT, GPTConfig, num_params
@@ -38,7 +38,7 @@ BATCH_PER_RANK = 2  # sequences of MODEL.block_size tokens per rank per step
 LR = 1e-3
 # Small buckets so that this small model has several (a real run uses ~25-500 MB).
 BUCKET_BYTES = 100_000
-COMPARED = ("zero1", "zero2naive", "zero2")  # harness engine names, in the notebook's order
+COMPARED = ("zero1", "zero2_after_backward", "zero2")  # engine keys, in the notebook's order
 
 
 @dataclass
@@ -67,7 +67,7 @@ class Zero2Lesson:
 
     num_params: int  # Ψ
     full_grad_bytes: int  # 4Ψ: one full fp32 gradient
-    runs: dict[str, Zero2Run]  # by engine name: "zero1", "zero2naive", "zero2"
+    runs: dict[str, Zero2Run]  # by engine name: "zero1", "zero2_after_backward", "zero2"
     accumulation: Accumulation
     two_steps: dict[bool, CommLog]  # by prefetch: two consecutive ZeRO-2 steps in one log
 
@@ -91,7 +91,7 @@ def zero2_run(name: str, bucket_bytes: int = BUCKET_BYTES, config: GPTConfig = M
               ) -> Zero2Run:
     """Run on every rank: engine `name` on a fresh GPT, a warm-up step, then one measured step."""
     model = GPT(config)
-    engine = harness.make_engine(name, model, torch.optim.AdamW, lr=LR, bucket_bytes=bucket_bytes)
+    engine = engines.make_engine(name, model, torch.optim.AdamW, lr=LR, bucket_bytes=bucket_bytes)
     warm_up(engine, model)
     measured = harness.measured_step(engine, *batch(model, 1))
     with torch.no_grad():
@@ -111,7 +111,7 @@ def accumulation(bucket_bytes: int = BUCKET_BYTES, config: GPTConfig = MODEL) ->
     shards, counts = [], []
     for micro_batches in (1, 2):
         model = GPT(config)
-        engine = harness.make_engine("zero2", model, torch.optim.AdamW, lr=LR,
+        engine = engines.make_engine("zero2", model, torch.optim.AdamW, lr=LR,
                                      bucket_bytes=bucket_bytes)
         x, y = batch(model, 1)  # (BATCH_PER_RANK, seq) each
         with comm.record_comm(engine.group) as log:
@@ -130,7 +130,7 @@ def two_steps(prefetch: bool, bucket_bytes: int = BUCKET_BYTES, config: GPTConfi
     """Run on every rank: ZeRO-2 (after a warm-up), steps 1 and 2 recorded in one log, so that
     the all-gathers issued at the end of step 1 can finish inside step 2's forward."""
     model = GPT(config)
-    engine = harness.make_engine("zero2", model, torch.optim.AdamW, lr=LR,
+    engine = engines.make_engine("zero2", model, torch.optim.AdamW, lr=LR,
                                  bucket_bytes=bucket_bytes, prefetch=prefetch)
     warm_up(engine, model)
     engine.wait_params()

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerolab import harness
+from zerolab import engines, harness
 from zerolab.comm import CommLog
 from zerolab.harness import MeasuredStep
 from zerolab.models import GPT, GPTConfig, num_params
@@ -84,7 +84,7 @@ def batch(model: GPT, step: int, per_rank: int = BATCH_PER_RANK) -> tuple[torch.
 
 def trained_one_step(name: str, model: GPT, **kwargs: Any) -> Any:
     """Engine `name` on `model`, after one unmeasured step (which creates Adam's state)."""
-    engine = harness.make_engine(name, model, torch.optim.AdamW, lr=LR, **kwargs)
+    engine = engines.make_engine(name, model, torch.optim.AdamW, lr=LR, **kwargs)
     harness.train_step(engine, *batch(model, 0))
     return engine
 
@@ -174,7 +174,7 @@ def bytes_by_phase(log: CommLog) -> dict[str, int]:
     out: dict[str, int] = {}
     for e in log.events:
         key = f"{e.tag.split('/')[1]} {e.op}"
-        out[key] = out.get(key, 0) + e.sent_bytes
+        out[key] = out.get(key, 0) + e.ring_bytes
     return out
 
 

@@ -6,7 +6,7 @@
 - torch: DistributedDataParallel; DistributedDataParallel + ZeroRedundancyOptimizer (optimizer
   state sharded by whole parameters); fully_shard (FSDP2) on every block and on the root.
 
-torch's three are `zerolab.baselines`' engines, built by `harness.make_engine` like zerolab's,
+torch's three are `zerolab.bench.baselines`' engines, built by `engines.make_engine` like zerolab's,
 so every variant runs the same `harness.train_step` and its last step the same
 `harness.measured_step`. For each it returns a `Variant`: the final full parameters (to
 compare), the model-state bytes this rank holds after the last step (measured from the live
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zerolab import harness
+from zerolab import engines, harness
 from zerolab.models import GPT, GPTConfig, num_params
-from zerolab.torch_comm import CollectiveCounter
+from zerolab.wire.torch_counter import CollectiveCounter
 
 # 4 blocks of hidden size 64: 205,184 parameters, 0.82 MB in fp32.
 MODEL = GPTConfig(n_layer=4, n_embd=64, n_head=4)
@@ -68,14 +68,14 @@ class SideBySide:
 
 def title(name: str) -> str:
     """How the notebook names a variant: "zerolab ZeRO-2", "torch FSDP2 (fully_shard)"."""
-    return harness.label(name) if name.startswith("torch") else f"zerolab {harness.label(name)}"
+    return engines.label(name) if name.startswith("torch") else f"zerolab {engines.label(name)}"
 
 
 def run_variant(name: str, config: GPTConfig = MODEL, steps: int = STEPS) -> Variant:
     """Train with engine `name` for `steps` steps, timing each; measure the last one."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = GPT(config)
-    engine = harness.make_engine(name, model, torch.optim.AdamW, lr=LR)
+    engine = engines.make_engine(name, model, torch.optim.AdamW, lr=LR)
 
     def batch(step: int) -> tuple[torch.Tensor, ...]:  # the same global batch for every variant
         return harness.local_batch(model.make_batch, BATCH_PER_RANK * world_size, 100 + step,

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zerolab import harness
+from zerolab import engines, harness
 from zerolab.models import GPT, GPTConfig, num_params
 
 # 2 blocks of hidden size 64: 105,216 parameters, 0.42 MB in fp32.
@@ -34,7 +34,7 @@ MODEL = GPTConfig(n_layer=2, n_embd=64, n_head=4)
 GLOBAL_BATCH = 8  # sequences per step, split over the ranks (N = 1, 2, 4 all divide it)
 LR = 1e-3
 # The four stages the course builds; their labels ("DDP", "ZeRO-1", ...) are theory's stages.
-STAGES = tuple(harness.label(name) for name in harness.ZEROLAB_ENGINES)
+STAGES = tuple(engines.label(name) for name in engines.STAGE_ENGINES)
 
 
 @dataclass
@@ -85,16 +85,16 @@ def states_and_traffic(group: dist.ProcessGroup | None = None,
     """
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     stages = {}
-    for name in harness.ZEROLAB_ENGINES:
+    for name in engines.STAGE_ENGINES:
         model = GPT(MODEL)
-        engine = harness.make_engine(name, model, torch.optim.AdamW, group=group, lr=LR)
+        engine = engines.make_engine(name, model, torch.optim.AdamW, group=group, lr=LR)
         x, y = harness.local_batch(model.make_batch, global_batch, 100, rank, world_size)
         harness.train_step(engine, x, y)
         x, y = harness.local_batch(model.make_batch, global_batch, 101, rank, world_size)
         measured = harness.measured_step(engine, x, y, memory=False)
         log = measured.log
         impl = {e.op: e.impl for e in log.events}  # one impl per op in a step: the last says it
-        stages[harness.label(name)] = StageMeasure(measured.held, log.total_ring_bytes(),
+        stages[engines.label(name)] = StageMeasure(measured.held, log.total_ring_bytes(),
                                                    log.bytes_by_op(), log.wire_bytes_by_op(),
                                                    impl)
     return ScalingRun(num_params(GPT(MODEL)), world_size, stages)
@@ -118,7 +118,7 @@ def scaling_runs(sizes: tuple[int, ...] = (1, 2, 4),
     return out
 
 
-def run_torchrun(nproc: int = 2, strategy: str = "zero3", steps: int = 5,
+def run_torchrun(nproc: int = 2, engine_key: str = "zero3", steps: int = 5,
                  timeout: float = 300.0) -> TorchrunResult:
     """`torchrun --standalone --nproc-per-node nproc -m zerolab.train ...`, in a subprocess.
 
@@ -126,7 +126,7 @@ def run_torchrun(nproc: int = 2, strategy: str = "zero3", steps: int = 5,
     interpreter, so it works without the venv's bin/ on PATH.
     """
     args = ["--standalone", "--nproc-per-node", str(nproc), "-m", "zerolab.train",
-            "--strategy", strategy, "--steps", str(steps), "--no-progress"]
+            "--engine", engine_key, "--steps", str(steps), "--no-progress"]
     with tempfile.TemporaryDirectory() as tmp:
         summary = Path(tmp) / "run.json"
         proc = subprocess.run(

@@ -32,7 +32,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from torch.utils.flop_counter import FlopCounterMode
 
-from zerolab import activations, comm, harness, theory
+from zerolab import activations, comm, engines, harness, theory
 from zerolab.comm import CommLog, Span
 from zerolab.memory import MemoryTrace, track_memory
 from zerolab.models import GPT, GPTConfig
@@ -249,7 +249,7 @@ def checkpoint_run(attention: str, mode: str, seq_len: int = RUN_SEQ,
                    per_rank: int = RUN_BATCH) -> CheckpointRun:
     """ZeRO-3 on GPT(attention, mode): a warm-up step, a tracked step, a counted step."""
     model = GPT(config(seq_len, attention, mode))
-    engine = harness.make_engine("zero3", model, torch.optim.AdamW, lr=LR)
+    engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=LR)
     losses = [harness.train_step(engine, *batch(model, 0, per_rank)).item()]  # Adam's state
     engine.zero_grad()
     with track_memory(engine.state_tensors, activations=True) as trace:
@@ -272,7 +272,7 @@ def gather_run(prefetch: bool, mode: str, seq_len: int = RUN_SEQ, per_rank: int 
     which ends its "forward" span, fire inside backward too.
     """
     model = GPT(config(seq_len, "sdpa", mode))
-    engine = harness.make_engine("zero3", model, torch.optim.AdamW, lr=LR, prefetch=prefetch)
+    engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=LR, prefetch=prefetch)
     with set_checkpoint_early_stop(early_stop):
         harness.train_step(engine, *batch(model, 0, per_rank))
         engine.zero_grad()

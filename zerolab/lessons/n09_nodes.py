@@ -1,7 +1,7 @@
 """Notebook 09, past one node: HSDP, ZeRO++ and models born sharded, on 4 ranks as 2 "nodes".
 
-On one machine a "node" is a group of consecutive ranks (zerolab.mesh): with 4 ranks and nodes
-of 2, ranks {0, 1} are node 0 and {2, 3} node 1. zerolab.peers measures the bytes each rank
+On one machine a "node" is a group of consecutive ranks (zerolab.parts.mesh): with 4 ranks and nodes
+of 2, ranks {0, 1} are node 0 and {2, 3} node 1. zerolab.wire.peers measures the bytes each rank
 sends to each other rank (per TCP connection), so the bytes that would cross the slow link
 between nodes are measured, not inferred.
 
@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from zerolab import comm, harness, theory
+from zerolab import comm, engines, harness, theory
 from zerolab.comm import CommLog
 from zerolab.data import Corpus
 from zerolab.memory import track_memory
 from zerolab.models import GPT, GPTConfig, num_params
-from zerolab.peers import record_peer_bytes
-from zerolab.quantize import BLOCK, dequantize_int8, quantize_int8
+from zerolab.parts.quantize import BLOCK, dequantize_int8, quantize_int8
+from zerolab.wire.peers import record_peer_bytes
 
 # 4 blocks of hidden size 64: Ψ = 205,184 (820 kB in fp32). Each unit's size divides by 4, so
 # no unit is padded at 2 or 4 ranks.
@@ -45,9 +45,9 @@ SGD = {"lr": 1e-2, "momentum": 0.9}  # for distances: see sgd_run
 VARIANTS: dict[str, tuple[str, dict]] = {  # name -> (engine, keyword arguments)
     "ZeRO-3": ("zero3", {}),
     "HSDP": ("hsdp", {"shard_size": NODE}),
-    "qwZ": ("zero3", {"quantize_weights": True}),
-    "hpZ": ("zero3", {"secondary_shard_size": NODE}),
-    "qwZ+hpZ": ("zero3", {"quantize_weights": True, "secondary_shard_size": NODE}),
+    "qwZ": ("zeropp", {"quantize_weights": True}),
+    "hpZ": ("zeropp", {"secondary_shard_size": NODE}),
+    "qwZ+hpZ": ("zeropp", {"quantize_weights": True, "secondary_shard_size": NODE}),
 }
 CURVE_STEPS = 200  # training steps of each loss curve
 CURVE_BATCH, CURVE_SEQ = 16, 32  # global batch (sequences) and tokens per sequence
@@ -74,7 +74,7 @@ def batch(model: GPT, step: int) -> tuple[torch.Tensor, ...]:
 class Traffic:
     """One measured training step of one variant, on one rank."""
 
-    to: dict[int, int]  # bytes sent to each other rank in one step (zerolab.peers; `fewest`)
+    to: dict[int, int]  # bytes sent to each other rank in one step (zerolab.wire.peers; `fewest`)
     across: int  # of which to ranks of the other node
     log: CommLog  # every collective: tag, group_ranks, ring and wire bytes
     held: dict[str, int]  # model-state bytes after step(): params, grads, optimizer
@@ -98,13 +98,13 @@ def measure_traffic(variant: str) -> Traffic:
     peer, the first under the memory tracker too."""
     name, kwargs = VARIANTS[variant]
     model = GPT(MODEL)
-    engine = harness.make_engine(name, model, torch.optim.AdamW, lr=1e-3, **kwargs)
+    engine = engines.make_engine(name, model, torch.optim.AdamW, lr=1e-3, **kwargs)
     harness.train_step(engine, *batch(model, 0))
     secondary: list[int] = []
     # Registered after the engine's own hooks: runs once the root's forward has resharded
     # every unit, when hpZ holds all its secondary shards.
     hook = model.register_forward_hook(lambda m, args, out: secondary.append(
-        sum(t.numel() * t.element_size() for t in engine.weight_gather.held())))
+        sum(t.numel() * t.element_size() for t in getattr(engine, "secondary", {}).values())))
     sent, steps = [], []
     for i in range(REPEATS):  # the same batch each time: the same collectives, the same bytes
         with record_peer_bytes() as peers:
@@ -183,7 +183,7 @@ def formula(variant: str, numels: dict[str, int], world_size: int = 4,
     forward = GATHER_SHARE * theory.ring_sent_bytes("all_gather", gathered, n)
     backward = 0.0 if options.get("secondary_shard_size") else (
         GATHER_SHARE * theory.ring_sent_bytes("all_gather", fp32, n))
-    # the gradients' reduce-scatter: a chunk straight to each other rank (zerolab.backends)
+    # the gradients' reduce-scatter: a chunk straight to each other rank (zerolab.wire.backends)
     gradients = REDUCE_SCATTER_SHARE * theory.ring_sent_bytes("reduce_scatter", fp32, n)
     return dict(zip(PHASES, (forward, backward, gradients)))
 
@@ -239,7 +239,7 @@ def sgd_run(variant: str, steps: range, load_from: str | None = None,
 
     name, variant_kwargs = VARIANTS.get(variant, (variant.lower(), {}))
     model = GPT(MODEL)
-    engine = harness.make_engine(name, model, torch.optim.SGD, **SGD,
+    engine = engines.make_engine(name, model, torch.optim.SGD, **SGD,
                                  **{**variant_kwargs, **kwargs})
     if load_from:
         checkpoint.load(engine, load_from)
@@ -261,7 +261,7 @@ def loss_curve(quantize_weights: bool, steps: int = CURVE_STEPS) -> list[float]:
     rank, world_size = rank_and_size()
     corpus = Corpus.builtin()
     model = GPT(curve_config())
-    engine = harness.make_engine("zero3", model, torch.optim.AdamW, lr=CURVE_LR,
+    engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=CURVE_LR,
                                  quantize_weights=quantize_weights)
     losses = []
     for step in range(steps):
@@ -303,7 +303,7 @@ def construction(config: GPTConfig = MODEL) -> Construction:
                     model = GPT(config)
             else:
                 model = GPT(config)
-            engine = harness.make_engine("zero3", model, torch.optim.AdamW, lr=1e-3)
+            engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=1e-3)
         peaks[meta], states[meta] = trace.peak_bytes, engine.full_state_dict()
     units = [sum(4 * b.layout.padded_numel for b in u.buckets) for u in engine.units]
     return Construction(rank_and_size()[1], peaks[False], peaks[True],
@@ -361,7 +361,7 @@ def resumed_lesson(folder: str, variant: str, shard_size: int | None = None) -> 
     refused = ""
     if rank_and_size()[1] % NODE:
         try:
-            harness.make_engine("hsdp", GPT(MODEL), torch.optim.SGD, shard_size=NODE, **SGD)
+            engines.make_engine("hsdp", GPT(MODEL), torch.optim.SGD, shard_size=NODE, **SGD)
         except ValueError as e:
             refused = str(e)
     return Resumed(construction(), variant,
@@ -407,7 +407,7 @@ def save_killed_half_way(folder: str) -> None:
         real_barrier(**kwargs)
 
     model = GPT(MODEL)
-    engine = harness.make_engine("zero2", model, torch.optim.SGD, **SGD)
+    engine = engines.make_engine("zero2", model, torch.optim.SGD, **SGD)
     checkpoint.load(engine, folder)
     harness.train_step(engine, *batch(model, 2))
     checkpoint.comm.barrier = dies_at_second_barrier

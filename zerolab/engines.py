@@ -1,0 +1,152 @@
+"""Every engine zerolab can run, and the contract each one keeps.
+
+    engine = zerolab.engines.make_engine("zero2", model, torch.optim.AdamW, lr=1e-3)
+    zerolab.engines.ENGINES["zero2"].label         # "ZeRO-2": how the course names it
+    zerolab.engines.ENGINES["zero2"].stage         # "ZeRO-2": the formulas that predict it
+
+An *engine* is the object that wraps a model and an optimizer (`zerolab.DDP(model, AdamW)`,
+torch's FSDP2 behind the same methods, a learner's own); a *stage* is a ZeRO level, whose
+formulas live in zerolab.theory. The harness, the bench, the checkpoints, the notebooks and the
+grader reach every engine through `Engine` below and find it by its key here: one table, so
+that a label, a formula or a torch counterpart is written once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zerolab import theory
+from zerolab.parts.tiles import OptimizerTiles
+from zerolab.sharding import Slot
+
+# ---- the contract -------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the harness, the bench and the grader call on an engine: a training step, and what
+    this rank holds. zerolab's engines, torch's (zerolab.bench.baselines) and a learner's keep it.
+    """
+
+    module: nn.Module  # the wrapped model: forward runs it, state dicts name its parameters
+    group: dist.ProcessGroup | None  # the ranks this engine averages and shards over
+    job_group: dist.ProcessGroup | None  # every rank of the job (HSDP's spans several groups)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...  # forward
+
+    def step(self) -> None: ...  # finish the gradients' reduction, step, re-sync parameters
+
+    def zero_grad(self) -> None: ...
+
+    def wait_params(self) -> None: ...  # return once parameters hold their latest values
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]: ...  # held now, by category
+
+    def model_state_bytes(self) -> dict[str, int]: ...  # params / grads / optimizer bytes
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]: ...  # collective: full tensors
+
+
+@runtime_checkable
+class ShardedEngine(Engine, Protocol):
+    """An Engine that says which part of every parameter this rank holds: what a checkpoint
+    writes and loads (zerolab.checkpoint), at any world size. zerolab's engines keep it."""
+
+    name: str  # first part of every comm tag: "zero2"
+    rank: int  # this rank in `group`
+    optimizer: torch.optim.Optimizer  # steps `masters`, in tiles
+    slots: list[Slot]  # what this rank steps: a parameter whole, or its shard of a bucket
+    masters: list[torch.Tensor]  # the fp32 tensor the optimizer steps for each slot
+    tiles: OptimizerTiles  # how the optimizer sees the masters (its state, joined per master)
+
+    def frozen_slots(self) -> list[Slot]: ...  # parameters never trained: held, not stepped
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]: ...  # accumulate locally
+
+
+# ---- the registry -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One engine zerolab can build by name."""
+
+    key: str  # how the CLI, the bench and the lessons name it: "zero2"
+    label: str  # how the course prints it: "ZeRO-2", "torch FSDP2 (fully_shard)"
+    short: str  # two short lines, for a crowded axis: "zerolab\nZeRO-2"
+    target: str  # "module:Class", imported when first asked for (torch's engines cost imports)
+    stage: str  # the stage whose formulas predict its model-state bytes (theory.STAGES)
+    traffic: str  # the formula its bytes on the wire follow (theory.comm_volume's stage)
+    counterpart: str | None = None  # the torch engine the bench times it against
+
+    @property
+    def is_torch(self) -> bool:
+        """torch's own engine (DDP, ZeroRedundancyOptimizer, FSDP2) behind zerolab's contract."""
+        return self.key.startswith("torch_")
+
+
+def _info(key: str, label: str, short: str, target: str, stage: str, traffic: str | None = None,
+          counterpart: str | None = None) -> EngineInfo:
+    return EngineInfo(key, label, short, target, stage, traffic or stage, counterpart)
+
+
+_ALL_REDUCE_ZERO1 = theory.ALL_REDUCE_ZERO1  # all-reduce, keep your shard, all-gather: 3Ψ
+ENGINES: dict[str, EngineInfo] = {e.key: e for e in (
+    _info("ddp", "DDP", "zerolab\nDDP", "zerolab.ddp:DDP", "DDP", counterpart="torch_ddp"),
+    _info("ddp_after_backward", "DDP, reduced after backward", "DDP\nafter bwd",
+          "zerolab.ddp:DDPAfterBackward", "DDP"),
+    _info("zero1", "ZeRO-1", "zerolab\nZeRO-1", "zerolab.zero1:ZeRO1", "ZeRO-1",
+          counterpart="torch_ddp_zero"),
+    _info("zero1_after_backward", "ZeRO-1, reduced after backward", "ZeRO-1\nafter bwd",
+          "zerolab.zero1:ZeRO1AfterBackward", "ZeRO-1"),
+    _info("zero1_all_reduce", "ZeRO-1 by all-reduce", "ZeRO-1\nall-reduce",
+          "zerolab.zero1:ZeRO1AllReduce", "ZeRO-1", _ALL_REDUCE_ZERO1),
+    _info("zero2", "ZeRO-2", "zerolab\nZeRO-2", "zerolab.zero2:ZeRO2", "ZeRO-2",
+          counterpart="torch_ddp"),
+    _info("zero2_after_backward", "ZeRO-2, reduced after backward", "ZeRO-2\nafter bwd",
+          "zerolab.zero2:ZeRO2AfterBackward", "ZeRO-2"),
+    _info("zero3", "ZeRO-3", "zerolab\nZeRO-3", "zerolab.zero3:ZeRO3", "ZeRO-3",
+          counterpart="torch_fsdp2"),
+    _info("zeropp", "ZeRO++", "zerolab\nZeRO++", "zerolab.zeropp:ZeroPP", "ZeRO-3"),
+    _info("hsdp", "HSDP", "zerolab\nHSDP", "zerolab.hsdp:HSDP", "ZeRO-3"),
+    # torch's DDP + ZeroRedundancyOptimizer all-reduces the whole gradient, then broadcasts the
+    # parameters: ZeRO-1's memory with the all-reduce ZeRO-1's traffic (3Ψ).
+    _info("torch_ddp", "torch DDP", "torch\nDDP", "zerolab.bench.baselines:TorchDDP", "DDP"),
+    _info("torch_ddp_zero", "torch DDP + ZeroRedundancyOptimizer", "torch\nDDP+ZeRO",
+          "zerolab.bench.baselines:TorchZeRO", "ZeRO-1", _ALL_REDUCE_ZERO1),
+    _info("torch_fsdp2", "torch FSDP2 (fully_shard)", "torch\nFSDP2",
+          "zerolab.bench.baselines:TorchFSDP2", "ZeRO-3"),
+)}
+STAGE_ENGINES = ("ddp", "zero1", "zero2", "zero3")  # the four stages the course builds
+
+
+def info(key: str) -> EngineInfo:
+    """The registry's entry for `key`, or an error that lists the keys."""
+    if key not in ENGINES:
+        raise ValueError(f"unknown engine {key!r}; choose from {list(ENGINES)}")
+    return ENGINES[key]
+
+
+def label(key: str) -> str:
+    """How the course names an engine: "ZeRO-2", "torch FSDP2 (fully_shard)"."""
+    return info(key).label
+
+
+def engine_class(key: str) -> type:
+    """The class registered as `key`, imported on first use."""
+    module, _, attr = info(key).target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_engine(key: str, model: nn.Module,
+                optimizer_cls: type[torch.optim.Optimizer] = torch.optim.AdamW,
+                **kwargs: Any) -> Engine:
+    """Wrap `model` in the engine called `key`; kwargs go to the engine and the optimizer."""
+    return engine_class(key)(model, optimizer_cls, **kwargs)

@@ -1,0 +1,297 @@
+"""Start ranks in milliseconds: fork them from a process that has imported torch already.
+
+    zygote = Zygote.for_this_process()          # started on first use, one per caller
+    rank = zygote.start(target, args, log_path)  # a forked process running target(*args)
+    rank.join(timeout); rank.exitcode
+
+Note: why a zygote. A rank started with multiprocessing's `spawn` method is a new Python that
+imports torch (2-4 s of CPU) before it runs a line of the course: a 4-rank launch on a 2-core
+laptop waits 5 s for that, and the course launches ranks hundreds of times. The zygote is one
+helper process per caller (a notebook kernel, a script, pytest). It imports torch and zerolab
+once, then forks a new rank whenever `launch` asks: a fork takes milliseconds, and the forked
+rank shares the imported modules' memory until it writes to it. This is the idea of
+multiprocessing's `forkserver` start method; zerolab runs its own so that a rank's stdout and
+stderr go to its log from its first instruction, as they do with `spawn`.
+
+Forking is safe from the zygote and not from the caller. A fork copies only the thread that
+calls it; a lock that another thread held stays locked forever in the child. The caller (a
+notebook kernel) runs threads: Jupyter's, torch's thread pool, gloo's. The zygote runs one
+thread and has run no torch operation when it forks (it starts numpy's BLAS with one thread
+for that reason).
+
+A forked rank gets what a spawned one would: the caller's environment, working directory,
+sys.path and main script (run again as `__mp_main__`, which is how `fn` defined there is
+found), and nothing else of the caller. torch and zerolab are the modules the zygote imported
+when it started: the same files as the caller's (checked), as of then. A restarted kernel
+starts a new zygote.
+
+The zygote dies with its caller: when the caller's end of the socket closes (the caller exited
+or was killed), it kills the ranks still running and exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import multiprocessing.connection
+import multiprocessing.spawn
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Printed by a rank that failed before its target ran (while it ran the main script again):
+# launch recognises it in the rank's output.
+STARTUP_FAILED = "zerolab: this rank failed while starting"
+
+# True in a rank while it runs the caller's main script again: a launch from there means the
+# script calls zerolab.launch where every rank runs it (see diagnose.GUARD_FIX).
+running_main_again = False
+
+_INT = struct.Struct("i")  # a pid or an exit code, as the zygote sends them
+_MAX_MESSAGE = 1 << 20  # a start request: the environment, sys.path, a few names
+_PR_SET_PDEATHSIG = 1  # prctl(2): set the signal a process gets when its parent dies
+
+
+class ZygoteUnavailable(RuntimeError):
+    """The zygote could not start here; launch falls back to spawned ranks."""
+
+
+class ForkedRank:
+    """A rank forked by the zygote: the parts of multiprocessing.Process that launch uses.
+
+    It is the zygote's child, not ours: the zygote reaps it and writes its exit code into a
+    pipe whose read end is our `sentinel` (readable once the rank has exited).
+    """
+
+    def __init__(self, pid: int, sentinel: int):
+        self.pid = pid
+        self.sentinel = sentinel
+        self.exitcode: int | None = None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is not None:
+            return
+        if not multiprocessing.connection.wait([self.sentinel], timeout):
+            return
+        report = os.read(self.sentinel, _INT.size)
+        os.close(self.sentinel)
+        # No report: the zygote itself died (killed with its ranks), so this rank is gone.
+        self.exitcode = _INT.unpack(report)[0] if len(report) == _INT.size else -signal.SIGKILL
+
+    def is_alive(self) -> bool:
+        self.join(0)
+        return self.exitcode is None
+
+    def kill(self) -> None:
+        if self.is_alive():
+            with contextlib.suppress(ProcessLookupError):  # exited since: the zygote reports it
+                os.kill(self.pid, signal.SIGKILL)
+
+
+class Zygote:
+    """The caller's end: start ranks by asking the zygote process to fork them."""
+
+    _current: Zygote | None = None
+    _current_lock = threading.Lock()
+
+    @classmethod
+    def current(cls) -> Zygote | None:
+        """This process's zygote if one is running, without starting one. (A process forked
+        from this one, not by the zygote, needs its own: two processes' requests on one
+        socket would mix.)"""
+        zygote = cls._current
+        alive = zygote is not None and zygote.owner == os.getpid() and zygote.process.poll() is None
+        return zygote if alive else None
+
+    @classmethod
+    def for_this_process(cls) -> Zygote:
+        """This process's zygote, started on first use (and again if it has died)."""
+        with cls._current_lock:
+            if cls.current() is None:
+                cls._current = cls()
+            return cls._current
+
+    def __init__(self) -> None:
+        if sys.platform != "linux":  # fork, and passing file descriptors, as Linux has them
+            raise ZygoteUnavailable(f"no zygote on {sys.platform}")
+        self.owner = os.getpid()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        # The zygote imports zerolab and torch from where this process did.
+        env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        env["OPENBLAS_NUM_THREADS"] = "1"  # numpy's BLAS would start a thread: see the Note
+        self._log = tempfile.NamedTemporaryFile(prefix="zerolab-zygote-", suffix=".log")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c",
+             f"from zerolab.launcher.zygote import serve; serve({theirs.fileno()})"],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self._log,
+            stderr=self._log, env=env)
+        theirs.close()
+        self._socket = ours
+        self._lock = threading.Lock()  # one request at a time: launches from two threads
+        self._socket.settimeout(300)  # importing torch on a busy machine; not forever
+        try:
+            ready = self._socket.recv(_MAX_MESSAGE)
+        except TimeoutError:
+            ready = b""
+        self._socket.settimeout(None)
+        if not ready:
+            self.process.kill()
+            self.process.wait()
+            raise ZygoteUnavailable("the zygote did not start:\n" + self._output())
+        package = os.path.dirname(os.path.dirname(__file__))  # zerolab/, above launcher/
+        expected = (os.path.join(package, "__init__.py"), torch.__file__)
+        if pickle.loads(ready) != expected:  # another torch or zerolab came first on its path
+            self.close()
+            raise ZygoteUnavailable(f"the zygote imported {pickle.loads(ready)}, not {expected}")
+
+    def start(self, target: Callable[..., Any], args: tuple, log_path: str) -> ForkedRank:
+        """Fork a rank that runs target(*args), its stdout and stderr appended to log_path."""
+        # What spawn sends a new process: sys.path, working directory, the main script; not
+        # multiprocessing's authentication key, which it refuses to pickle (a rank needs none).
+        preparation = multiprocessing.spawn.get_preparation_data("zerolab-rank")
+        preparation.pop("authkey", None)
+        # The work stays pickled until the rank has run the preparation: unpickling it may
+        # import the caller's modules, which belong in the rank, not in the zygote.
+        request = pickle.dumps({"environ": dict(os.environ), "preparation": preparation,
+                                "work": pickle.dumps((target, args))})
+        report_r, report_w = os.pipe()
+        log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            with self._lock:
+                socket.send_fds(self._socket, [request], [report_w, log])
+                reply = self._socket.recv(_MAX_MESSAGE)
+        finally:
+            os.close(report_w)  # the zygote holds its own copy now
+            os.close(log)
+        if not reply:
+            os.close(report_r)
+            raise ZygoteUnavailable("the zygote died:\n" + self._output())
+        return ForkedRank(_INT.unpack(reply)[0], report_r)
+
+    def ranks_running(self) -> list[int]:
+        """The pids of the ranks running now: the zygote's children that have not exited."""
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        # "pid (name) state ppid ...": the name may hold spaces and brackets
+                        state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+                except (OSError, IndexError):  # exited while we looked
+                    continue
+                if int(ppid) == self.process.pid and state != "Z":
+                    pids.append(int(entry))
+        return pids
+
+    def close(self) -> None:
+        self._socket.close()  # the zygote sees the end of its input and exits
+        self.process.wait(timeout=10)
+
+    def _output(self) -> str:
+        with open(self._log.name, errors="replace") as f:
+            return f.read()
+
+
+# --- in the zygote process ----------------------------------------------------------------------
+
+
+# What every rank needs, imported once in the zygote (the launcher and the harness bring torch,
+# torch.distributed and the engines along). Named, not imported here: the zygote is part of the
+# launcher, and the launcher does not depend on what it launches.
+PRELOAD = ("torch.distributed", "zerolab", "zerolab.harness")
+
+
+def serve(fd: int) -> None:
+    """The zygote: import what every rank needs, then fork one rank per request."""
+    sock = socket.socket(fileno=fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the ranks and the caller
+    for name in PRELOAD:
+        importlib.import_module(name)
+    sock.send(pickle.dumps((sys.modules["zerolab"].__file__, torch.__file__)))
+    ranks: dict[int, tuple[int, int]] = {}  # exit pipe's read end -> (pid, report fd)
+    while True:
+        for ready in multiprocessing.connection.wait([sock, *ranks]):
+            if ready is sock:
+                request, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
+                if not request:  # the caller is gone: so are its ranks
+                    for pid, _ in ranks.values():
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    os._exit(0)
+                report, log = fds
+                exited_r, pid = _fork_rank(pickle.loads(request), log, report, sock, ranks)
+                os.close(log)
+                ranks[exited_r] = (pid, report)
+                sock.send(_INT.pack(pid))
+            else:
+                pid, report = ranks.pop(ready)
+                _, status = os.waitpid(pid, 0)
+                os.write(report, _INT.pack(os.waitstatus_to_exitcode(status)))
+                os.close(report)
+                os.close(ready)
+
+
+def _fork_rank(request: dict, log: int, report: int, sock: socket.socket,
+               ranks: dict[int, tuple[int, int]]) -> tuple[int, int]:
+    """Fork one rank; return (the read end of a pipe that closes when it exits, its pid)."""
+    exited_r, exited_w = os.pipe()  # the rank holds the write end until it exits
+    zygote_pid = os.getpid()
+    pid = os.fork()
+    if pid:
+        os.close(exited_w)
+        return exited_r, pid
+    # In the new rank. Its output goes to its log before anything else runs.
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    # The zygote's other descriptors are not the rank's: its socket, the pipe on which the
+    # zygote reports this rank's exit, and the pipes of the ranks forked before (holding one
+    # would hide that rank's exit).
+    others = [fd for exited, (_, theirs) in ranks.items() for fd in (exited, theirs)]
+    for fd in (log, report, exited_r, sock.fileno(), *others):
+        os.close(fd)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Die with the zygote (which dies with the caller): Linux's "parent death signal".
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != zygote_pid:  # it died before the line above: nobody to report to
+        os._exit(1)
+    # A new process draws new seeds; a forked one would share the zygote's with every other
+    # rank (Python's `random` reseeds itself after a fork; torch and numpy do not).
+    torch.seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    code = 1
+    try:
+        os.environ.clear()
+        os.environ.update(request["environ"])
+        global running_main_again
+        running_main_again = True
+        try:
+            multiprocessing.spawn.prepare(request["preparation"])
+        except BaseException:
+            print(STARTUP_FAILED, file=sys.stderr)
+            raise
+        running_main_again = False
+        target, args = pickle.loads(request["work"])
+        target(*args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
