@@ -8,9 +8,9 @@ seeded by its name, so the same model comes out however it was built.
 
 from __future__ import annotations
 
-import born_sharded_workers as W
 import pytest
 import torch
+from workers import born_sharded as W
 
 import zerolab
 from zerolab.harness import max_diff

@@ -6,14 +6,14 @@ tensors of 12 elements (12 divides by every world size 1-4), S = 48 bytes in fp3
   reduce-scatter  (N-1)/N * S : N=2 -> 24, N=3 -> 32, N=4 -> 36   (all-gather the same)
 
 Measured (wire) bytes are checked on S = 1.5 MiB, against the same formulas and against what the
-kernel counted from outside the recorder (tests/comm_workers.py).
+kernel counted from outside the recorder (tests/workers/comm.py).
 """
 
 import json
 
-import comm_workers
 import pytest
 import torch
+from workers import comm as comm_workers
 
 import zerolab
 from zerolab import comm, theory

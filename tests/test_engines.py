@@ -8,9 +8,9 @@ multiple of torch DDP's own distance from the reference at 3 and 4 ranks.
 
 from __future__ import annotations
 
-import engines_workers as W
 import pytest
 import torch
+from workers import engines as W
 
 import zerolab
 from zerolab.harness import max_diff

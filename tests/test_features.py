@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-import engines_workers as W
-import features_workers as F
 import pytest
 import torch
+from workers import engines as W
+from workers import features as F
 
 import zerolab
 from zerolab import checkpoint, harness

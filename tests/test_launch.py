@@ -15,7 +15,7 @@ import launch_helpers
 import psutil
 import pytest
 import torch
-import workers
+from workers import launch as launch_workers
 
 import zerolab
 from zerolab.launcher import diagnose, local, torchrun
@@ -44,7 +44,7 @@ def subprocess_env() -> dict:
 
 def test_two_rank_all_reduce(record_property, no_leftover_ranks):
     start = time.perf_counter()
-    results = zerolab.launch(workers.all_reduce_rank, world_size=2)
+    results = zerolab.launch(launch_workers.all_reduce_rank, world_size=2)
     wall = time.perf_counter() - start
     # Not asserted (machines differ): reported with `pytest -rP` and in the junit XML.
     record_property("launch_2rank_all_reduce_wall_s", round(wall, 3))
@@ -57,7 +57,7 @@ def test_two_rank_all_reduce(record_property, no_leftover_ranks):
 def test_results_ordered_by_rank_with_tensors_intact(no_leftover_ranks):
     n, world_size = 5, 3
     payload = {"t": torch.arange(4.0).view(2, 2), "big": torch.ones(1 << 18), "s": "text"}
-    results = zerolab.launch(workers.describe, world_size, args=(n, payload))
+    results = zerolab.launch(launch_workers.describe, world_size, args=(n, payload))
     assert [r["rank"] for r in results] == [0, 1, 2]
     cores = len(os.sched_getaffinity(0))
     for rank, r in enumerate(results):
@@ -99,13 +99,13 @@ def test_results_ordered_by_rank_with_tensors_intact(no_leftover_ranks):
 
 
 def test_world_size_one():
-    assert zerolab.launch(workers.rank_and_size, world_size=1, threads=1) == [(0, 1, 1)]
+    assert zerolab.launch(launch_workers.rank_and_size, world_size=1, threads=1) == [(0, 1, 1)]
 
 
 def test_a_function_that_destroys_its_own_group(no_leftover_ranks):
     """The same training function runs under torchrun (where it cleans up after itself) and
     under launch: tearing down the group is the function's right, not an error."""
-    assert zerolab.launch(workers.destroys_its_group, 2) == [0, 1]
+    assert zerolab.launch(launch_workers.destroys_its_group, 2) == [0, 1]
 
 
 def test_two_launches_at_once_do_not_collide(monkeypatch, no_leftover_ranks):
@@ -118,7 +118,7 @@ def test_two_launches_at_once_do_not_collide(monkeypatch, no_leftover_ranks):
 
     def run(value):
         try:
-            results[value] = zerolab.launch(workers.all_reduce_value, 2, args=(value,))
+            results[value] = zerolab.launch(launch_workers.all_reduce_value, 2, args=(value,))
         except BaseException as e:  # reported by the assertion below
             errors.append(e)
 
@@ -146,17 +146,17 @@ def forbid_spawn(monkeypatch):
 @pytest.mark.parametrize("world_size", [0, -1, 1.5, "2", None, True])
 def test_bad_world_size_is_refused_before_spawning(world_size, forbid_spawn):
     with pytest.raises(ValueError, match="world_size must be a positive integer"):
-        zerolab.launch(workers.rank_and_size, world_size)
+        zerolab.launch(launch_workers.rank_and_size, world_size)
 
 
 def test_nccl_with_more_ranks_than_gpus_is_refused_before_spawning(forbid_spawn):
     with pytest.raises(ValueError, match=rf"one GPU per rank.*has {GPUS} GPU"):
-        zerolab.launch(workers.rank_and_size, GPUS + 1, backend="nccl")
+        zerolab.launch(launch_workers.rank_and_size, GPUS + 1, backend="nccl")
 
 
 def test_unknown_backend_is_refused(forbid_spawn):
     with pytest.raises(ValueError, match="backend must be"):
-        zerolab.launch(workers.rank_and_size, 1, backend="mpi")
+        zerolab.launch(launch_workers.rank_and_size, 1, backend="mpi")
 
 
 def test_backend_choice(monkeypatch):
@@ -214,8 +214,8 @@ def test_in_a_notebook_kernel(tmp_path, monkeypatch):
         nbformat.v4.new_code_cell(textwrap.dedent(f"""
             import sys
             sys.path.insert(0, {str(Path(__file__).parent)!r})
-            import workers
-            print(zerolab.launch(workers.noisy, 2))
+            from workers import launch as launch_workers
+            print(zerolab.launch(launch_workers.noisy, 2))
         """)),
     ]
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
@@ -234,7 +234,7 @@ def test_a_rank_that_raises(no_leftover_ranks):
     start = time.perf_counter()
     with pytest.raises(zerolab.WorkerError) as info:
         # The other rank waits in an all-reduce that will never complete.
-        zerolab.launch(workers.raise_on, 2, args=(1,), timeout=600)
+        zerolab.launch(launch_workers.raise_on, 2, args=(1,), timeout=600)
     elapsed = time.perf_counter() - start
     err = info.value
     assert isinstance(err, zerolab.LaunchError)
@@ -242,7 +242,7 @@ def test_a_rank_that_raises(no_leftover_ranks):
     message = str(err)
     assert message.startswith("rank 1 raised KeyError: 'boom from 1'")
     assert "Traceback" in message
-    assert "workers.py" in message and "raise_on" in message  # the worker's own frames
+    assert "workers/launch.py" in message and "raise_on" in message  # the worker's own frames
     # Not left to the timeout: ended as soon as rank 1 failed (the bound leaves room for a
     # loaded machine, where starting two ranks alone can take half a minute).
     assert elapsed < 300, f"the waiting rank was not ended promptly ({elapsed:.1f} s)"
@@ -250,7 +250,7 @@ def test_a_rank_that_raises(no_leftover_ranks):
 
 def test_a_rank_that_exits_without_an_exception(no_leftover_ranks):
     with pytest.raises(zerolab.WorkerError) as info:
-        zerolab.launch(workers.exit_hard, 2, args=(0,), timeout=60)
+        zerolab.launch(launch_workers.exit_hard, 2, args=(0,), timeout=60)
     assert info.value.rank == 0
     assert "rank 0 exited with code 3" in str(info.value)
 
@@ -259,7 +259,7 @@ def test_a_rank_stuck_in_a_collective_is_killed_at_the_timeout(no_leftover_ranks
     start = time.perf_counter()
     with pytest.raises(zerolab.LaunchTimeout) as info:
         # Rank 1 sleeps for 10 minutes; rank 0 waits for it in an all-reduce.
-        zerolab.launch(workers.hang_on, 2, args=(1,), timeout=3)
+        zerolab.launch(launch_workers.hang_on, 2, args=(1,), timeout=3)
     elapsed = time.perf_counter() - start
     # Both ranks are named: one sleeping, the other waiting for it.
     assert str(info.value).startswith("ranks [0, 1] were still running after 3s")
@@ -269,7 +269,7 @@ def test_a_rank_stuck_in_a_collective_is_killed_at_the_timeout(no_leftover_ranks
 def test_a_rank_killed_by_a_signal_names_it_and_its_usual_cause(no_leftover_ranks):
     for name, cause in [("SIGKILL", "out-of-memory killer"), ("SIGSEGV", "segmentation fault")]:
         with pytest.raises(zerolab.WorkerError) as info:
-            zerolab.launch(workers.kill_self_with, 2, args=(1, name), timeout=120)
+            zerolab.launch(launch_workers.kill_self_with, 2, args=(1, name), timeout=120)
         message = str(info.value)
         assert message.startswith(f"rank 1 was killed by {name} "
                                   f"(exit code -{signal.Signals[name].value}): "), message
@@ -279,7 +279,7 @@ def test_a_rank_killed_by_a_signal_names_it_and_its_usual_cause(no_leftover_rank
 
 def test_a_collective_with_mismatched_sizes_is_named_as_the_likely_cause(no_leftover_ranks):
     with pytest.raises(zerolab.WorkerError) as info:
-        zerolab.launch(workers.uneven_broadcast, 2, timeout=120)
+        zerolab.launch(launch_workers.uneven_broadcast, 2, timeout=120)
     message = str(info.value)
     assert message.startswith("rank 1 was killed by SIGABRT (exit code -6): a native library"), \
         message
@@ -375,7 +375,7 @@ def test_a_guarded_script_runs_and_its_ranks_print_nothing(tmp_path):
 
 
 def test_verbose_shows_worker_output_prefixed_by_rank(capfd):
-    assert zerolab.launch(workers.noisy, 2, verbose=True) == [0, 1]
+    assert zerolab.launch(launch_workers.noisy, 2, verbose=True) == [0, 1]
     out, err = capfd.readouterr()
     for rank in (0, 1):
         assert f"[rank {rank}] hello from a rank" in out
@@ -473,7 +473,7 @@ def test_init_from_env_under_torchrun_and_alone(tmp_path):
 @pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU for NCCL; this machine has none")
 def test_nccl_all_reduce_on_gpus(no_leftover_ranks):
     world_size = min(GPUS, 2)
-    results = zerolab.launch(workers.all_reduce_cuda, world_size)  # backend=None picks nccl
+    results = zerolab.launch(launch_workers.all_reduce_cuda, world_size)  # backend=None picks nccl
     expected = world_size * (world_size + 1) / 2
     for rank, r in enumerate(results):
         assert r["device"] == f"cuda:{rank}"

@@ -7,8 +7,8 @@ sends to each other rank, measured per TCP connection (zerolab.wire.peers).
 
 from __future__ import annotations
 
-import nodes_workers as W
 import pytest
+from workers import nodes as W
 
 import zerolab
 from zerolab.harness import max_diff

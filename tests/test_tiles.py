@@ -1,10 +1,10 @@
 """The optimizer steps cache-sized tiles of its masters (zerolab/parts/tiles.py): the same result as
 whole tensors, bitwise; its state joins back per master and loads again; engines cut on a CPU."""
 
-import features_workers as F
 import pytest
 import torch
 from torch import nn
+from workers import features as F
 
 import zerolab
 from zerolab.parts.tiles import CPU_TILE_NUMEL, OptimizerTiles

@@ -101,7 +101,8 @@ def test_no_rank_tears_a_torchrun_job_down_before_every_rank_ends(tmp_path):
     (1.5 s) before it destroys its group; both end with no group."""
     out = tmp_path / "finish"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(REPO / "tests" / "finish_worker.py"),
+                           "--nproc-per-node", "2",
+                           str(REPO / "tests" / "workers" / "finish_torchrun.py"),
                            str(out)], capture_output=True, text=True, timeout=300, cwd=REPO,
                           env=subprocess_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr

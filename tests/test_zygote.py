@@ -13,7 +13,7 @@ from pathlib import Path
 
 import launch_helpers
 import psutil
-import workers
+from workers import launch as launch_workers
 
 import zerolab
 from zerolab.launcher import local, zygote
@@ -38,12 +38,12 @@ def wait_until(condition, timeout: float = 60.0) -> bool:
 
 def test_a_rank_sees_the_callers_environment_directory_and_path_as_they_are_now(
         tmp_path, monkeypatch):
-    zerolab.launch(workers.rank_and_size, 1)  # the zygote is up before anything below changes
+    zerolab.launch(launch_workers.rank_and_size, 1)  # the zygote is up before anything changes
     (tmp_path / "probe_module.py").write_text("VALUE = 1\n")  # created after the zygote started
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ZEROLAB_PROBE", "set after the zygote started")
-    seen = zerolab.launch(workers.where_am_i, 2, args=("probe_module",))
+    seen = zerolab.launch(launch_workers.where_am_i, 2, args=("probe_module",))
     forker = zygote.Zygote.for_this_process()
     for rank in seen:
         assert rank["probe"] == "set after the zygote started"
@@ -58,16 +58,16 @@ def test_where_no_zygote_can_run_ranks_are_spawned(monkeypatch):
         raise zygote.ZygoteUnavailable("not here")
 
     monkeypatch.setattr(zygote.Zygote, "for_this_process", unavailable)
-    seen = zerolab.launch(workers.where_am_i, 2, args=("workers",))
+    seen = zerolab.launch(launch_workers.where_am_i, 2, args=("workers",))
     assert [rank["ppid"] for rank in seen] == [os.getpid()] * 2
 
 
 def test_a_dead_zygote_is_replaced_and_a_rank_it_took_along_is_reported():
-    zerolab.launch(workers.rank_and_size, 1)
+    zerolab.launch(launch_workers.rank_and_size, 1)
     first = zygote.Zygote.for_this_process()
     first.process.kill()
     first.process.wait()
-    assert zerolab.launch(workers.rank_and_size, 2) == [(0, 2, 1), (1, 2, 1)]
+    assert zerolab.launch(launch_workers.rank_and_size, 2) == [(0, 2, 1), (1, 2, 1)]
     second = zygote.Zygote.for_this_process()
     assert second is not first and second.process.poll() is None
 
@@ -79,11 +79,11 @@ def test_the_zygote_and_its_ranks_die_with_their_caller(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(TESTS)!r})
-        import workers
+        from workers import launch as launch_workers
         import zerolab
 
         if __name__ == "__main__":
-            zerolab.launch(workers.sleep_and_note_pid, 2, args=({str(tmp_path)!r},),
+            zerolab.launch(launch_workers.sleep_and_note_pid, 2, args=({str(tmp_path)!r},),
                            timeout=600)
     """))
     caller = subprocess.Popen([sys.executable, str(script)], cwd=tmp_path)
@@ -108,12 +108,12 @@ def test_a_killed_zygote_takes_its_ranks_along(tmp_path):
     script.write_text(textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(TESTS)!r})
-        import workers
+        from workers import launch as launch_workers
         import zerolab
 
         if __name__ == "__main__":
             try:
-                zerolab.launch(workers.sleep_and_note_pid, 2, args=({str(tmp_path)!r},),
+                zerolab.launch(launch_workers.sleep_and_note_pid, 2, args=({str(tmp_path)!r},),
                                timeout=600)
             except zerolab.WorkerError as e:
                 print(str(e).splitlines()[0])
@@ -153,8 +153,8 @@ def test_the_zygote_runs_a_single_thread_when_it_forks():
 def test_unseeded_random_numbers_differ_between_ranks_and_launches_as_in_new_processes():
     """Forked ranks would all inherit the zygote's generators; each draws its own seeds, as a
     spawned rank does (a lesson whose ranks build models without seeding relies on it)."""
-    first = zerolab.launch(workers.unseeded_draws, 2)
-    second = zerolab.launch(workers.unseeded_draws, 2)
+    first = zerolab.launch(launch_workers.unseeded_draws, 2)
+    second = zerolab.launch(launch_workers.unseeded_draws, 2)
     for generator in range(3):  # torch, numpy, random
         draws = [tuple(rank[generator]) for rank in (*first, *second)]
         assert len(set(draws)) == 4, (generator, draws)
@@ -165,7 +165,7 @@ def test_running_ranks_lists_the_ranks_of_a_launch_under_way_and_none_after(tmp_
 
     def run():
         try:
-            zerolab.launch(workers.sleep_and_note_pid, 2, args=(str(tmp_path),), timeout=8)
+            zerolab.launch(launch_workers.sleep_and_note_pid, 2, args=(str(tmp_path),), timeout=8)
         except BaseException as e:  # the timeout, expected below
             errors.append(e)
 
@@ -182,14 +182,14 @@ def test_running_ranks_lists_the_ranks_of_a_launch_under_way_and_none_after(tmp_
 def test_a_process_forked_from_the_caller_gets_a_zygote_of_its_own(tmp_path):
     """Requests from two processes on one socket would mix: a child forked from a caller that
     has a zygote (a DataLoader worker, a user's own fork) starts its own."""
-    zerolab.launch(workers.rank_and_size, 1)
+    zerolab.launch(launch_workers.rank_and_size, 1)
     ours = zygote.Zygote.for_this_process().process.pid
     out = tmp_path / "child"
     pid = os.fork()
     if pid == 0:  # the child: launch, say which zygote forked its ranks, leave at once
         code = 1
         try:
-            seen = zerolab.launch(workers.where_am_i, 1, args=("workers",))
+            seen = zerolab.launch(launch_workers.where_am_i, 1, args=("workers",))
             out.write_text(f"{seen[0]['ppid']} {zygote.Zygote.for_this_process().process.pid}")
             code = 0
         finally:

@@ -1,7 +1,7 @@
 """Worker functions for test_comm.py: measured (wire) bytes next to the ring model.
 
 One launch per world size runs `suite`: the small-tensor tour of every collective
-(workers.comm_suite), then the wire measurements on tensors of S >= 1 MiB.
+(launch_workers.comm_suite), then the wire measurements on tensors of S >= 1 MiB.
 """
 
 import os
@@ -10,15 +10,15 @@ import threading
 
 import torch
 import torch.distributed as dist
-import workers
 
+from workers import launch as launch_workers
 from zerolab import comm
 from zerolab.wire import backends
 from zerolab.wire import written as wire
 
 
 def suite(delay, numel):
-    result = workers.comm_suite(delay)
+    result = launch_workers.comm_suite(delay)
     if dist.get_world_size() > 1:
         result["wire"] = {"ops": one_at_a_time(numel), "native": torch_natives(numel),
                           "step": overlapping_step(numel), "groups": in_a_subgroup(numel)}

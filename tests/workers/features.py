@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-import engines_workers as W
 import torch
 import torch.distributed as dist
 
 import zerolab
+from workers import engines as W
 from zerolab import checkpoint, harness
 
 MICRO = 4  # micro-batches per step
