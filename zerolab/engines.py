@@ -134,9 +134,11 @@ def info(key: str) -> EngineInfo:
     return ENGINES[key]
 
 
-def label(key: str) -> str:
-    """How the course names an engine: "ZeRO-2", "torch FSDP2 (fully_shard)"."""
-    return info(key).label
+def label(key: str, beside_torch: bool = False) -> str:
+    """How the course names an engine: "ZeRO-2", "torch FSDP2 (fully_shard)"; beside torch's
+    engines (a table of both), zerolab's say so: "zerolab ZeRO-2"."""
+    e = info(key)
+    return f"zerolab {e.label}" if beside_torch and not e.is_torch else e.label
 
 
 def engine_class(key: str) -> type:

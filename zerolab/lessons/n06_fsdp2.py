@@ -38,10 +38,9 @@ LR = 1e-3
 STEPS = 9  # timed: all but the first WARMUP and the last
 WARMUP = 2
 
-# harness engine name -> the stage whose formulas (zerolab.theory) it follows
-STAGE_OF = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3",
-            "torch_ddp": "DDP", "torch_ddp_zero": "ZeRO-1", "torch_fsdp2": "ZeRO-3"}
-VARIANTS = tuple(STAGE_OF)  # zerolab's four, then torch's three: the order of every table
+# zerolab's four, then torch's three: the order of every table (labels, formula stages and
+# counterparts: zerolab.engines.ENGINES)
+VARIANTS = (*engines.STAGE_ENGINES, "torch_ddp", "torch_ddp_zero", "torch_fsdp2")
 Shapes = dict[str, tuple[tuple[int, ...], tuple[int, ...]]]
 
 
@@ -68,7 +67,7 @@ class SideBySide:
 
 def title(name: str) -> str:
     """How the notebook names a variant: "zerolab ZeRO-2", "torch FSDP2 (fully_shard)"."""
-    return engines.label(name) if name.startswith("torch") else f"zerolab {engines.label(name)}"
+    return engines.label(name, beside_torch=True)
 
 
 def run_variant(name: str, config: GPTConfig = MODEL, steps: int = STEPS) -> Variant:
