@@ -256,13 +256,14 @@ def curve_config() -> GPTConfig:
     return GPTConfig(vocab_size=vocab, block_size=CURVE_SEQ, n_layer=2, n_embd=32, n_head=2)
 
 
-def loss_curve(quantize_weights: bool, steps: int = CURVE_STEPS) -> list[float]:
-    """ZeRO-3 (qwZ or not) on the built-in corpus: this rank's loss at every step."""
+def loss_curve(quantize_weights: bool, steps: int = CURVE_STEPS, **options) -> list[float]:
+    """ZeRO-3 (qwZ or not; `options`: other ZeRO++ options, qgZ's) on the built-in corpus:
+    this rank's loss at every step."""
     rank, world_size = rank_and_size()
     corpus = Corpus.builtin()
     model = GPT(curve_config())
     engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=CURVE_LR,
-                                 quantize_weights=quantize_weights)
+                                 quantize_weights=quantize_weights, **options)
     losses = []
     for step in range(steps):
         x, y = harness.local_rows(corpus.batch(CURVE_BATCH, CURVE_SEQ, seed=step), rank,
