@@ -158,15 +158,15 @@ def test_bytes_across_nodes_are_a_third_of_fp32s_at_most(runs):
     numel = 4 * W.CHUNK
     fp32_formula = (4 - W.NODE) * 4 * W.CHUNK  # a chunk to each rank of the other node
     qgz_formula = theory.qgz_sent_bytes(numel, 4, W.NODE)[1]
-    for rank, res in enumerate(runs):
+    for rank, res in enumerate(r["peers"] for r in runs):
         across = {way: sum(b for peer, b in to.items() if peer // W.NODE != rank // W.NODE)
-                  for way, to in res["peers"].items()}
-        assert fp32_formula <= across["fp32"] <= fp32_formula + 2 * HEADERS
-        assert qgz_formula <= across["qgz"] <= qgz_formula + 2 * HEADERS
+                  for way, to in res.items()}
+        assert fp32_formula <= across["fp32"] <= fp32_formula + 2 * HEADERS, (rank, res)
+        assert qgz_formula <= across["qgz"] <= qgz_formula + 2 * HEADERS, (rank, res)
         assert across["qgz"] <= across["fp32"] / 3, across
-        peers = {p for p, b in res["peers"]["qgz"].items() if b > 0}
+        peers = {p for p, b in res["qgz"].items() if b > 0}
         partner = rank + W.NODE if rank < W.NODE else rank - W.NODE  # its `across` group
-        assert peers == {rank ^ 1, partner}  # qgZ talks to its node and to one rank across
+        assert peers == {rank ^ 1, partner}, (rank, res)  # its node, and one rank across
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -234,6 +234,20 @@ def test_lesson_bytes_across_are_their_formula(lessons):
     assert mean["qgZ int8"] <= mean["fp32"] / 3
     assert mean["qgZ int4"] < mean["qgZ int8"]
     assert len(lesson.bytes_table(lessons)) == 1 + len(lesson.WAYS)
+
+
+def test_lesson_zeropp_steps_send_their_formula_across(lessons):
+    """A whole training step, qgZ alone and ZeRO++ whole: n09_nodes.formula, as for the others
+    (gloo's headers on top: at most 1024 B per collective that crosses, as test_lessons_09)."""
+    numels = n09_nodes.unit_numels()
+    for variant in n09_nodes.QGZ_VARIANTS:
+        formula = sum(n09_nodes.formula(variant, numels).values())
+        crossing = sum(1 for e in lessons[0].traffic[variant].log.events
+                       if len({r // W.NODE for r in e.group_ranks}) > 1)
+        measured = n09_nodes.across_mean(lessons, variant)
+        assert formula <= measured <= formula + 1024 * crossing, variant
+    zero3 = sum(n09_nodes.formula("ZeRO-3", numels).values())  # the paper: 3 M -> 0.75 M
+    assert n09_nodes.across_mean(lessons, "ZeRO++ (qwZ+hpZ+qgZ)") <= zero3 / 4
 
 
 def test_lesson_gradients_land_within_the_bound(lessons):

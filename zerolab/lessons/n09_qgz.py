@@ -6,6 +6,8 @@
   its owner), and with qgZ in int8 and in int4 (zerolab.zeropp.quantized_reduce_scatter): the
   bytes this rank sent to each peer (zerolab.wire.peers, the fewest of n09_REPEATS), and
   how far the quantised results land from fp32's, against their bound (`Gradients`);
+- one measured training step of qgZ alone and of ZeRO++ whole (qwZ+hpZ+qgZ), as n09_nodes
+  measures the other variants (n09_nodes.measure_traffic, QGZ_VARIANTS): for its tables;
 - loss curves on the course's corpus (n09_nodes.loss_curve): ZeRO-3 with each way.
 
 `bytes_table` sets the bytes against their formula (zerolab.theory.qgz_sent_bytes) and the
@@ -111,16 +113,19 @@ class QgzLesson:
     """What the 4-rank launch measures, on one rank."""
 
     gradients: Gradients
+    traffic: dict[str, n09_nodes.Traffic]  # per n09_nodes.QGZ_VARIANTS: one training step
     curves: dict[str, list[float]]  # way -> this rank's loss at every step
 
 
 def qgz_lesson(curve_steps: int = n09_nodes.CURVE_STEPS) -> QgzLesson:
-    """The gradients each way; then ZeRO-3 trained `curve_steps` steps with each way."""
+    """The gradients each way, a step of each of QGZ_VARIANTS, then ZeRO-3 trained
+    `curve_steps` steps with each way."""
     measured = gradients()
+    traffic = {v: n09_nodes.measure_traffic(v) for v in n09_nodes.QGZ_VARIANTS}
     curves = {way: n09_nodes.loss_curve(False, curve_steps, **(
         {"quantize_grads": f"int{bits}", "node_size": NODE} if bits else {}))
         for way, bits in WAYS.items()}
-    return QgzLesson(measured, curves)
+    return QgzLesson(measured, traffic, curves)
 
 
 def bytes_table(runs: list[QgzLesson]) -> list[str]:
