@@ -5,9 +5,10 @@ one training step reads like the algorithm. The wrappers add nothing to the algo
 record, per call (a `CommEvent`):
 
 - `nbytes`: S, the bytes of the *full* tensor the collective is about (the all-reduced tensor,
-  the reduce-scatter's input, the all-gather's output);
+  the reduce-scatter's input, the all-gather's output, the all-to-all's input);
 - `ring_bytes`: what this rank sends under the ring algorithm, the textbook model the formulas
-  use: all-reduce 2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S;
+  use: all-reduce 2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S; all-to-all (N-1)/N·S
+  (S its input: every chunk but a rank's own leaves it, whatever the algorithm);
 - `wire_bytes`: what this rank actually wrote for the call, measured by the kernel's per-process
   byte counter (zerolab.wire.written) over the call's window; None where it cannot be measured
   (NCCL, not Linux), where a notebook then shows the ring model;
@@ -37,8 +38,8 @@ import torch.distributed as dist
 from zerolab import theory
 from zerolab.wire import backends, written
 
-__all__ = ["CommEvent", "CommLog", "Handle", "Span", "all_gather", "all_reduce", "barrier",
-           "broadcast", "record_comm", "recv", "reduce_scatter", "send", "span"]
+__all__ = ["CommEvent", "CommLog", "Handle", "Span", "all_gather", "all_reduce", "all_to_all",
+           "barrier", "broadcast", "record_comm", "recv", "reduce_scatter", "send", "span"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -394,6 +395,18 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str,
     """
     plan = backends.all_gather(output, input, group, async_op)
     return _issue("all_gather", tag, output, group, async_op, plan)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, *, tag: str,
+               group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
+    """input, output: (world_size, ...) or (world_size * k,), the same size on every rank: chunk
+    j of this rank's input lands in chunk r of rank j's output (r: this rank). An all-gather
+    sends every rank the same chunk; an all-to-all sends each rank its own one.
+
+    S (nbytes) is the input's bytes; each rank sends every chunk but its own: (N-1)/N·S.
+    """
+    plan = backends.all_to_all(output, input, group, async_op)
+    return _issue("all_to_all", tag, input, group, async_op, plan)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, tag: str,

@@ -20,8 +20,8 @@ What changes from ZeRO-2 (zero2.py):
 - One bucket per unit: ZeRO-3 reduces a unit's gradients when its backward is over, so
   `bucket_bytes` has no meaning here and is refused.
 
-ZeRO++ (zeropp.py) subclasses this file: it changes how a unit's weights travel (`_gather`),
-not when.
+ZeRO++ (zeropp.py) subclasses this file: it changes how a unit's weights travel (`_gather`)
+and how its gradients are reduced (`_reduce`), not when.
 
 Which parameters form each unit (and the root, the model itself, which holds the embeddings,
 the final LayerNorm and any weight two units share) is decided by `make_units` (units.py)

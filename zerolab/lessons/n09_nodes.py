@@ -49,6 +49,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {  # name -> (engine, keyword arguments)
     "hpZ": ("zeropp", {"secondary_shard_size": NODE}),
     "qwZ+hpZ": ("zeropp", {"quantize_weights": True, "secondary_shard_size": NODE}),
 }
+# With qgZ (measured by lessons/n09_qgz.py, whose launch runs them; the same tables take them).
+QGZ_VARIANTS = {"qgZ": ("zeropp", {"quantize_grads": True, "node_size": NODE}),
+                "ZeRO++ (qwZ+hpZ+qgZ)": ("zeropp", {"quantize_weights": True,
+                                                    "secondary_shard_size": NODE,
+                                                    "quantize_grads": True})}
 CURVE_STEPS = 200  # training steps of each loss curve
 CURVE_BATCH, CURVE_SEQ = 16, 32  # global batch (sequences) and tokens per sequence
 CURVE_LR = 3e-3
@@ -96,7 +101,7 @@ def fewest(measurements: list[dict[int, int]]) -> dict[int, int]:
 def measure_traffic(variant: str) -> Traffic:
     """A warm-up step (Adam's state is created), then REPEATS identical steps measured per
     peer, the first under the memory tracker too."""
-    name, kwargs = VARIANTS[variant]
+    name, kwargs = {**VARIANTS, **QGZ_VARIANTS}[variant]
     model = GPT(MODEL)
     engine = engines.make_engine(name, model, torch.optim.AdamW, lr=1e-3, **kwargs)
     harness.train_step(engine, *batch(model, 0))
@@ -176,7 +181,7 @@ def formula(variant: str, numels: dict[str, int], world_size: int = 4,
     if variant == "HSDP":  # only the replicas' all-reduce of the gradient shards crosses
         replicas = theory.ring_sent_bytes("all_reduce", fp32 / node_size, n // node_size)
         return dict(zip(PHASES, (0.0, 0.0, replicas)))
-    options = VARIANTS[variant][1]
+    options = {**VARIANTS, **QGZ_VARIANTS}[variant][1]
     gathered = fp32
     if options.get("quantize_weights"):  # each rank quantises its own shard of each unit
         gathered = sum(n * theory.int8_bytes(p // n) for p in numels.values())
@@ -185,6 +190,9 @@ def formula(variant: str, numels: dict[str, int], world_size: int = 4,
         GATHER_SHARE * theory.ring_sent_bytes("all_gather", fp32, n))
     # the gradients' reduce-scatter: a chunk straight to each other rank (zerolab.wire.backends)
     gradients = REDUCE_SCATTER_SHARE * theory.ring_sent_bytes("reduce_scatter", fp32, n)
+    if options.get("quantize_grads"):  # qgZ: its hop across nodes (zerolab.zeropp)
+        bits = 4 if options["quantize_grads"] == "int4" else 8
+        gradients = sum(theory.qgz_sent_bytes(p, n, node_size, bits)[1] for p in numels.values())
     return dict(zip(PHASES, (forward, backward, gradients)))
 
 
@@ -256,13 +264,14 @@ def curve_config() -> GPTConfig:
     return GPTConfig(vocab_size=vocab, block_size=CURVE_SEQ, n_layer=2, n_embd=32, n_head=2)
 
 
-def loss_curve(quantize_weights: bool, steps: int = CURVE_STEPS) -> list[float]:
-    """ZeRO-3 (qwZ or not) on the built-in corpus: this rank's loss at every step."""
+def loss_curve(quantize_weights: bool, steps: int = CURVE_STEPS, **options) -> list[float]:
+    """ZeRO-3 (qwZ or not; `options`: other ZeRO++ options, qgZ's) on the built-in corpus:
+    this rank's loss at every step."""
     rank, world_size = rank_and_size()
     corpus = Corpus.builtin()
     model = GPT(curve_config())
     engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=CURVE_LR,
-                                 quantize_weights=quantize_weights)
+                                 quantize_weights=quantize_weights, **options)
     losses = []
     for step in range(steps):
         x, y = harness.local_rows(corpus.batch(CURVE_BATCH, CURVE_SEQ, seed=step), rank,
