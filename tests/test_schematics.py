@@ -248,6 +248,8 @@ def test_paper_figure_one_sets_the_stages_side_by_side(ranks):
             assert optimizer == ([(0, bucket.numel)] if name == "ddp" else [mine])
             params = [(a, b) for a, b, _ in drawn[title][(r, "params")]]
             assert params == ([mine] if name == "zero3" else [(0, bucket.numel)])
+    same = plots.holdings_by_stage([r["holdings"] for r in ranks])  # as launch returns it
+    assert [ax.get_title(loc="left") for ax in same.axes if ax.get_visible()] == titles
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
     assert "gradients: averaged over the ranks" in legend and "not held" in legend
 

@@ -145,10 +145,13 @@ def holdings_over_step(per_rank: Sequence[Any], title: str | None = None,
                           "before and after each collective of one step", columns)
 
 
-def holdings_by_stage(by_stage: Mapping[str, Sequence[Any]], moment: int = -1,
-                      title: str | None = None, columns: int = 2) -> Figure:
+def holdings_by_stage(by_stage: Mapping[str, Sequence[Any]] | Sequence[Mapping[str, Any]],
+                      moment: int = -1, title: str | None = None, columns: int = 2) -> Figure:
     """The ZeRO paper's Figure 1: a panel per stage, each at one moment of its step (default
-    the last: after the step). by_stage: {stage: that stage's Holdings from every rank}."""
+    the last: after the step). by_stage: {stage: that stage's Holdings from every rank}, or
+    what `zerolab.launch(holdings, ...)` returns (per rank, {stage: Holdings})."""
+    if not isinstance(by_stage, Mapping):  # per rank -> per stage
+        by_stage = {s: [r[s] for r in by_stage] for s in by_stage[0]}
     panels, buckets, world_size = {}, {}, 1
     for per_rank in by_stage.values():
         per_rank = sorted(per_rank, key=lambda h: h.rank)
