@@ -209,9 +209,10 @@ class Zygote:
 
 
 # What every rank needs, imported once in the zygote (the launcher and the harness bring torch,
-# torch.distributed and the engines along). Named, not imported here: the zygote is part of the
-# launcher, and the launcher does not depend on what it launches.
-PRELOAD = ("torch.distributed", "zerolab", "zerolab.harness")
+# torch.distributed and the engines along; torch's optimizers import torch._dynamo the first time
+# one is built, seconds of CPU that every rank paid again). Named, not imported here: the
+# zygote is part of the launcher, and the launcher does not depend on what it launches.
+PRELOAD = ("torch.distributed", "torch._dynamo", "zerolab", "zerolab.harness")
 
 
 def serve(fd: int) -> None:
