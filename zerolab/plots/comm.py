@@ -186,14 +186,16 @@ def timeline(logs: Sequence[Any], title: str = "Timeline of one step") -> Figure
             ax.barh(y_compute, width, left=left, height=0.7, color=span_colors[s.name],
                     edgecolor="white")
             spans.add(left, width, s.name)
-        bars = []  # (left, width, event), ms
+        bars = []  # (left, width drawn, width measured, event), ms
         for e in log.events:
             ops_seen[e.op] = None
             end = e.start if e.end is None else e.end
-            bars.append(((e.start - t0) * 1e3, max((end - e.start) * 1e3, min_width), e))
-        rows_of, n_rows = _sub_rows([(left, width) for left, width, _ in bars])
+            width = (end - e.start) * 1e3
+            bars.append(((e.start - t0) * 1e3, max(width, min_width), width, e))
+        # Sub-rows by the measured widths: a sliver drawn wider than it lasted shares a row.
+        rows_of, n_rows = _sub_rows([(left, width) for left, _, width, _ in bars])
         height = 0.7 / n_rows
-        for (left, width, e), row in zip(bars, rows_of):
+        for (left, width, _, e), row in zip(bars, rows_of):
             # Calls in flight together (asynchronous ones) share the lane in thin sub-rows,
             # the first issued on top, so that no bar hides another.
             y = y_comm + 0.35 - height * (row + 0.5)
