@@ -297,6 +297,23 @@ def test_timeline_overlapping_bars_get_no_label():
     assert "blocks.0" not in labels and "blocks.5" not in labels
 
 
+def test_timeline_bars_in_flight_together_do_not_hide_each_other():
+    log = fake_log(0, 0.0)
+    log.events.append(SimpleNamespace(op="all_gather", tag="zero3/fwd/blocks.5", start=0.001,
+                                      end=0.009))  # in flight together with blocks.0
+    ax = plots.timeline([log]).axes[0]
+    comm_y = ax.get_yticks()[1]
+    bars = [p for p in ax.patches if abs(p.get_y() + p.get_height() / 2 - comm_y) < 0.4]
+    assert len(bars) == 4  # blocks.0, blocks.1, init, blocks.5: all in rank 0's collectives lane
+    for a in bars:  # two bars that share some time share no height
+        for b in bars:
+            if a is not b and a.get_x() < b.get_x() + b.get_width() and (
+                    b.get_x() < a.get_x() + a.get_width()):
+                assert (a.get_y() + a.get_height() <= b.get_y() + 1e-9
+                        or b.get_y() + b.get_height() <= a.get_y() + 1e-9)
+    assert max(p.get_height() for p in bars) == pytest.approx(0.35)  # two sub-rows
+
+
 def test_timeline_lesson_spans_have_a_colour_and_entry_each():
     fig = plots.timeline([fake_log(0, 0.0, spans=("phase 1", "phase 2", "phase 3"))])
     colours = legend_colours(fig)
