@@ -46,12 +46,12 @@ class PairSums:
     pair_sum: int  # all-reduce over the pair only: (2k + 1) + (2k + 2)
 
 
-def first_all_reduce(late_seconds: float = 0.1) -> FirstAllReduce:
+def first_all_reduce(late_seconds: float = 0.05) -> FirstAllReduce:
     """Who am I, and the first collective: every rank adds its vector into everyone's.
 
     Rank r contributes x_r = (r + 1) * [1, 10, 100] (3,), and `all_reduce` (sum) overwrites
     x_r in place with x_0 + x_1 + ... + x_{N-1} on every rank: N(N+1)/2 * [1, 10, 100].
-    Before the call, rank r is busy for r * late_seconds (a sleep, standing in for a slower
+    Before the call, rank r is busy for (r + 1) * late_seconds (a sleep, standing in for a
     forward pass), so that the timeline shows who waits for whom.
 
     Returns this rank's FirstAllReduce: who it is, the vector before and after (lists of ints:
@@ -62,7 +62,7 @@ def first_all_reduce(late_seconds: float = 0.1) -> FirstAllReduce:
     before = [int(v) for v in x.tolist()]
     with zerolab.record_comm() as log:  # starts with a barrier: the ranks' clocks line up
         with log.span("work"):
-            time.sleep(ctx.rank * late_seconds)
+            time.sleep((ctx.rank + 1) * late_seconds)  # the higher the rank, the later
         comm.all_reduce(x, tag="lesson00/first")  # in place; every rank must make this call
     return FirstAllReduce(rank=ctx.rank, world_size=ctx.world_size, backend=ctx.backend,
                           device=str(ctx.device), pid=os.getpid(),
