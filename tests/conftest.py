@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from patches import build_folder
 from workers import lessons as lesson_workers
+from workers import nodes as node_workers
 
 import zerolab
 from zerolab import grading
@@ -68,3 +69,16 @@ def lessons_04_07_at_2() -> list[dict]:
     return zerolab.launch(lesson_workers.lessons_04_07_at_2, world_size=lesson_workers.WORLD_04_07,
                           timeout=240)
 
+
+@pytest.fixture(scope="session")
+def nodes_at_4() -> list[dict]:
+    """4 ranks as 2 "nodes" of 2: DDP, ZeRO-3, HSDP and the ZeRO++ variants, each trained with
+    AdamW (bytes, memory, per-peer bytes) and with SGD (values), and torch's DDP, for
+    test_hsdp.py, test_zeropp.py and test_peers.py: tests/workers/nodes.py."""
+    return zerolab.launch(node_workers.everything, 4, timeout=900)
+
+
+@pytest.fixture(scope="session")
+def nodes_reference() -> dict:
+    """nodes_at_4's SGD run in one process on the global batch."""
+    return node_workers.reference()

@@ -1,5 +1,5 @@
 """Checkpoints (zerolab.checkpoint), every stage: resumed exactly at the same world size, resharded
-to another world size and into another stage, consolidated into a plain state_dict,
+to another world size and into another stage (HSDP too), consolidated into a plain state_dict,
 and a save that crashed half-way refused or left behind.
 
 (Notebook 09's checkpoints, what it prints about them, are tested in test_lesson_n09_nodes.py.)
@@ -13,6 +13,7 @@ import pytest
 import torch
 from workers import engines as W
 from workers import features as F
+from workers import nodes
 from workers.features import KIND, STAGES
 
 import zerolab
@@ -100,3 +101,20 @@ def test_a_missing_rank_file_is_refused(tmp_path):
     os.remove(os.path.join(checkpoint.latest(folder), "rank1.pt"))
     with pytest.raises(checkpoint.CheckpointError, match="rank1.pt is missing"):
         checkpoint.consolidate(folder)
+
+
+def test_checkpoints_move_between_world_sizes_and_stages(tmp_path):
+    """Save at 4 ranks (ZeRO-3, HSDP); resume at 2 with ZeRO-2 and at 3 with HSDP: the run
+    continues as if nothing happened."""
+    straight = zerolab.launch(nodes.save_at_4, 4, args=(str(tmp_path),), timeout=600)[0]
+    resumed = {
+        "zero3 at 4 -> zero2 at 2": zerolab.launch(nodes.resume, 2, args=(
+            "zero2", f"{tmp_path}/zero3"), timeout=600),
+        "zero3 at 4 -> hsdp (3 per node) at 3": zerolab.launch(nodes.resume_hsdp, 3, args=(
+            f"{tmp_path}/zero3", 3), timeout=600),
+        "hsdp at 4 -> zero3 at 2": zerolab.launch(nodes.resume, 2, args=(
+            "zero3", f"{tmp_path}/hsdp"), timeout=600),
+    }
+    for what, states in resumed.items():
+        for state in states:
+            assert max_diff(state, straight) < 1e-5, what
