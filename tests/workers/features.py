@@ -1,4 +1,5 @@
-"""Workers for the training-feature tests: accumulation, clipping, mixed precision, checkpoints."""
+"""Workers for the training-feature tests, every stage: accumulation (test_engines.py), clipping
+(test_clipping.py), mixed precision (test_mixed_precision.py), checkpoints (test_checkpoint.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import zerolab
 from workers import engines as W
 from zerolab import checkpoint, harness
 
+STAGES = ["ddp", "zero1", "zero2", "zero3"]  # the engines those tests train
+KIND = "gpt"  # tied weights; the MLP (frozen, tiny, reused) is covered by test_engines
 MICRO = 4  # micro-batches per step
 ACC_STEPS = 3
 MAX_NORM = 0.05  # small enough that every step clips
