@@ -276,3 +276,51 @@ def test_cluster_steps_follow_the_stages_traffic():
     assert s.tokens_per_s(w.tokens_per_gpu, True) >= s.tokens_per_s(w.tokens_per_gpu, False)
     assert n10_cluster.step_model(w, "ZeRO-3", 8).compute == pytest.approx(
         w.tokens_per_gpu / w.rate)
+
+
+# --- notebook 10's tables, on made-up runs --------------------------------------------------------
+
+
+def made_up_run(n: int = 2) -> n10_time.Run:
+    """A Run whose measurements are the link's own predictions, except ZeRO-1's, twice."""
+    sweep = synthetic(n)
+    link = cost.fit(sweep)
+    wide = cost.Sweep(n, "gloo", tuple(
+        cost.Timing(op, s // 4 // n * n * 4, n, "gloo",
+                    (link.predict(op, s // 4 // n * n * 4),) * 3, None, "made up")
+        for op in cost.SHARED_OPS for s in n10_time.CHECK_SIZES))
+    run = n10_time.Run(n, 1000, wide, link)
+    for name, factor in (("DDP", 1.0), ("ZeRO-1", 2.0)):
+        ops = [("all_reduce", 4 * MiB)] * 3
+        comm_s = sum(link.predict(op, s) for op, s in ops)
+        run.stages[name] = n10_time.StageTime(
+            name, n, ops, comm_s, [[factor * link.predict(op, s) for op, s in ops]] * 3,
+            {"forward": [0.01] * 3, "backward": [0.02] * 3, "step": [0.005] * 3},
+            {"forward": [0.012] * 3, "backward": [0.03] * 3, "step": [0.006] * 3,
+             "after": [0.0] * 3, "total": [0.048] * 3})
+    return run
+
+
+def test_the_check_table_counts_what_falls_within_the_band():
+    text = n10_time.format_check({2: made_up_run()})
+    assert text.endswith(f"16 of 17 predictions within {n10_time.BAND:.0%} of the measurement")
+    assert "ZeRO-1 step" in text and "-50%  OUTSIDE" in text
+    only = n10_time.format_check({2: made_up_run()}, collectives=False)
+    assert only.endswith("1 of 2 predictions within 35% of the measurement")
+
+
+def test_a_stage_splits_its_step_into_compute_exposed_and_hidden():
+    s = made_up_run().stages["DDP"]
+    assert s.median("compute") == pytest.approx(0.035)
+    assert s.exposed == pytest.approx(0.013)  # 48 ms step - 35 ms compute
+    assert s.exposed_by_phase() == pytest.approx(
+        {"forward": 0.002, "backward": 0.01, "step": 0.001, "after": 0.0})
+    assert n10_time.breakdown(s)["predicted"] == pytest.approx(0.035 + s.predicted_comm)
+    assert "DDP, N = 2" in n10_time.format_steps({2: made_up_run()})
+
+
+def test_overlap_verdicts_follow_the_measurement():
+    o = n10_time.Overlap(MiB, comm=0.1, compute=0.1, busy=0.2, busy_compute=0.2, idle=0.1)
+    assert n10_time.hid(o, o.idle).startswith("hid most of the shorter one (100%)")
+    assert n10_time.hid(o, 0.17).startswith("hid part of the shorter one (30%)")
+    assert n10_time.hid(o, o.busy) == "hid nothing: together took 100% of one after the other"

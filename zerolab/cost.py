@@ -48,7 +48,7 @@ from zerolab import comm
 from zerolab.wire.messages import OPS, Messages, messages
 
 __all__ = ["OPS", "SHARED_OPS", "SIZES", "Fit", "Link", "Sweep", "Timing", "algbw",
-           "bus_factor", "busbw", "fit", "measure"]
+           "bus_factor", "busbw", "fit", "measure", "messages"]
 
 SHARED_OPS = ("all_reduce", "reduce_scatter", "all_gather")  # what the engines run
 SIZES = tuple(1 << k for k in range(14, 25, 2))  # 16 KiB to 16 MiB, 4x apart
@@ -92,7 +92,7 @@ class Timing:
     nbytes: int  # S: the full tensor's bytes (fp32, a multiple of 4N)
     world_size: int
     backend: str
-    seconds: tuple[float, ...]  # per repeat: the slowest rank's, from comm's start and end
+    seconds: tuple[float, ...]  # per repeat: the slowest rank's mean over a burst of calls
     wire_bytes: int | None  # measured: most bytes one rank wrote in a call (median of repeats)
     impl: str  # what ran (CommEvent.impl), e.g. "all_gather as 2 broadcasts (gloo)"
 
@@ -146,7 +146,7 @@ class Sweep:
 
 
 def measure(world_size: int | None = None, sizes: Sequence[int] = SIZES,
-            ops: Sequence[str] = OPS, repeats: int = 7, warmup: int = 2,
+            ops: Sequence[str] = OPS, repeats: int = 7, warmup: int = 2, burst: int = 4,
             group: dist.ProcessGroup | None = None) -> Sweep:
     """Time each op at each size on `world_size` ranks (every rank of the job calls this).
 
@@ -154,9 +154,11 @@ def measure(world_size: int | None = None, sizes: Sequence[int] = SIZES,
     result comes back on every rank of the job. Or pass `group` instead: its ranks call this,
     and get the result. sizes: S in bytes (rounded down to fp32 elements, a multiple of N).
     repeats: timed rounds; warmup: rounds run first and dropped. Each round runs every
-    (op, size) once, in a shuffled order (the same on every rank), each from a barrier, so
-    that a burst of load elsewhere hits all cases alike; a round ends with one all-reduce of
-    its times (MAX): a collective's time is its slowest rank's.
+    (op, size) once, in a shuffled order (the same on every rank), so that a burst of load
+    elsewhere hits all cases alike: `burst` calls back to back from a barrier, each on fresh
+    buffers, as a step issues its buckets one after another (nccl-tests also times
+    back-to-back iterations); their mean is the round's time for that case. A round ends with
+    one all-reduce of its times (MAX): a collective's time is its slowest rank's.
     """
     if not dist.is_initialized():
         raise RuntimeError("cost.measure times collectives between ranks: call it on every rank "
@@ -164,8 +166,9 @@ def measure(world_size: int | None = None, sizes: Sequence[int] = SIZES,
     unknown = [op for op in ops if op not in OPS]
     if unknown:
         raise ValueError(f"unknown collectives {unknown}; expected some of {OPS}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    if repeats < 1 or warmup < 0 or burst < 1:
+        raise ValueError(f"repeats and burst must be >= 1, warmup >= 0; got {repeats}, "
+                         f"{burst}, {warmup}")
     if group is not None and world_size is not None:
         raise ValueError("pass world_size or group, not both")
     share, root, inside = group, 0, True
@@ -178,41 +181,41 @@ def measure(world_size: int | None = None, sizes: Sequence[int] = SIZES,
         inside = dist.get_rank() < n
     else:
         root = dist.get_global_rank(group, 0)
-    sweep = _sweep(group, sizes, ops, repeats, warmup) if inside else None
+    sweep = _sweep(group, sizes, ops, repeats, warmup, burst) if inside else None
     box = [sweep]
     dist.broadcast_object_list(box, src=root, group=share)  # bookkeeping, not a lesson's traffic
     return box[0]
 
 
-def _sweep(group, sizes: Sequence[int], ops: Sequence[str], repeats: int,
-           warmup: int) -> Sweep:
+def _sweep(group, sizes: Sequence[int], ops: Sequence[str], repeats: int, warmup: int,
+           burst: int) -> Sweep:
     n, backend = dist.get_world_size(group), dist.get_backend(group)
     device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
               else torch.device("cpu"))
     root = 0 if group is None else dist.get_global_rank(group, 0)
     cases = [(op, s) for s in sizes for op in ops]
-    buffers = {s: _buffers(s, n, device) for s in sizes}
     seconds: dict = {c: [] for c in cases}
     wire: dict = {c: [] for c in cases}
     impl: dict = {}
     for r in range(warmup + repeats):
         order = list(cases)
         random.Random(r).shuffle(order)  # seeded alike on every rank: the same order
-        events = [_timed(op, buffers[s], root, group, device) for op, s in order]
-        times = torch.tensor([e.end - e.start for e in events], dtype=torch.float64)
-        wrote = torch.tensor([-1 if e.wire_bytes is None else e.wire_bytes for e in events],
+        bursts = [_timed(op, s, n, burst, root, group, device) for op, s in order]
+        times = torch.tensor([sum(e.end - e.start for e in b) / burst for b in bursts],
                              dtype=torch.float64)
+        wrote = torch.tensor([-1 if None in (w := [e.wire_bytes for e in b])
+                              else statistics.median(w) for b in bursts], dtype=torch.float64)
         both = torch.cat([times, wrote]).to(device)
         comm.all_reduce(both, op="max", tag="cost/slowest", group=group)
         both = both.cpu()
         if r < warmup:
             continue
-        for i, (case, e) in enumerate(zip(order, events)):
+        for i, (case, b) in enumerate(zip(order, bursts)):
             seconds[case].append(both[i].item())
             wire[case].append(both[len(order) + i].item())
-            impl[case] = e.impl
+            impl[case] = b[0].impl
     timings = tuple(
-        Timing(op, buffers[s][0].numel() * 4, n, backend, tuple(seconds[(op, s)]),
+        Timing(op, _numel(s, n) * 4, n, backend, tuple(seconds[(op, s)]),
                None if min(wire[(op, s)]) < 0 else round(statistics.median(wire[(op, s)])),
                impl[(op, s)])
         for op, s in cases)
@@ -231,26 +234,27 @@ def _buffers(nbytes: int, n: int, device: torch.device) -> tuple[torch.Tensor, .
             torch.zeros(numel, device=device))
 
 
-def _timed(op: str, buffers: tuple[torch.Tensor, ...], root: int, group,
-           device: torch.device) -> comm.CommEvent:
-    """One synchronous call, from a barrier, inside its own recording: its CommEvent."""
-    full, shard, gathered = buffers
+def _timed(op: str, nbytes: int, n: int, burst: int, root: int, group,
+           device: torch.device) -> list[comm.CommEvent]:
+    """`burst` synchronous calls back to back, from a barrier, each on buffers of its own,
+    inside one recording: their CommEvents (comm's start and end of each)."""
+    buffers = [_buffers(nbytes, n, device) for _ in range(burst)]  # (full, shard, gathered)
     comm.barrier(tag="cost/start", group=group)
+    tag = f"cost/{op}"
     with comm.record_comm(group, align=False) as log:
-        tag = f"cost/{op}"
-        if op == "all_reduce":
-            comm.all_reduce(full, tag=tag, group=group)
-        elif op == "reduce_scatter":
-            comm.reduce_scatter(shard, full, tag=tag, group=group)
-        elif op == "all_gather":
-            comm.all_gather(gathered, shard, tag=tag, group=group)
-        else:
-            comm.broadcast(full, root, tag=tag, group=group)
-        event = log.events[-1]
-        if device.type == "cuda":  # NCCL returns once queued: the end is when it is done
-            torch.cuda.synchronize(device)
-            event.end = log.now()
-    return event
+        for full, shard, gathered in buffers:
+            if op == "all_reduce":
+                comm.all_reduce(full, tag=tag, group=group)
+            elif op == "reduce_scatter":
+                comm.reduce_scatter(shard, full, tag=tag, group=group)
+            elif op == "all_gather":
+                comm.all_gather(gathered, shard, tag=tag, group=group)
+            else:
+                comm.broadcast(full, root, tag=tag, group=group)
+            if device.type == "cuda":  # NCCL returns once queued: the end is when it is done
+                torch.cuda.synchronize(device)
+                log.events[-1].end = log.now()
+    return log.events
 
 
 # --- fitting ---------------------------------------------------------------------------------

@@ -150,3 +150,39 @@ def step_model(w: Workload, stage: str, world_size: int) -> StepModel:
 def cluster_table(world_sizes: tuple[int, ...] = (8, 64, 512)) -> list[StepModel]:
     """Every workload x stage x N."""
     return [step_model(w, s, n) for w in WORKLOADS for s in theory.STAGES for n in world_sizes]
+
+
+def format_cluster(rows: list[StepModel]) -> str:
+    """Tokens/s/GPU by workload, stage and N: "nothing hides - everything hides"."""
+    sizes = sorted({r.world_size for r in rows})
+    lines = []
+    for w in WORKLOADS:
+        lines.append(f"{w.name}, {w.cluster.name}: " + "".join(
+            f"{'N = ' + str(n):>17}" for n in sizes))
+        for stage in theory.STAGES:
+            cells = []
+            for n in sizes:
+                r = next(r for r in rows if (r.workload, r.stage, r.world_size) == (w.name,
+                                                                                  stage, n))
+                cells.append(f"{'does not fit':>17}" if not r.fits else
+                             f"{r.tokens_per_s(w.tokens_per_gpu, False):>9,.0f} -"
+                             f"{r.tokens_per_s(w.tokens_per_gpu, True):>6,.0f}")
+            lines.append(f"  {stage:8}" + "".join(cells))
+    heavy = [r for r in rows if not r.fits]
+    if heavy:
+        lines.append(f"does not fit: model states above {HBM / 1e9:.0f} GB per GPU (e.g. "
+                     f"{heavy[0].workload} DDP: {heavy[0].state_bytes / 1e9:.0f} GB)")
+    return "\n".join(lines)
+
+
+def format_published() -> str:
+    """Published tokens/s/GPU at more GPUs beside the model's two bounds for ZeRO-3."""
+    lines = [f"{'':26}{'N':>4}{'published':>11}{'vs 8 GPUs':>11}{'model: nothing':>16}"
+             f"{'everything hides':>18}"]
+    for (name, n), (measured, _) in PUBLISHED.items():
+        w = next(w for w in WORKLOADS if w.name == name)
+        r = step_model(w, "ZeRO-3", n)
+        lines.append(f"{name:26}{n:>4}{measured:>11,}{measured / w.rate - 1:>+11.1%}"
+                     f"{r.tokens_per_s(w.tokens_per_gpu, False):>16,.0f}"
+                     f"{r.tokens_per_s(w.tokens_per_gpu, True):>18,.0f}")
+    return "\n".join(lines)

@@ -12,7 +12,9 @@ GPT with each stage (DDP, ZeRO-1, ZeRO-2, ZeRO-3), measuring per step:
   this rank updates: its compute, timed alone (as the bench's floor does).
 
 At N = 2 it also times overlap itself (`Overlap`): an all-reduce alone, compute alone, and the
-two at once, with compute on the cores or (a stand-in for a GPU) sleeping.
+two at once, with compute on the cores or (a stand-in for a GPU) sleeping. The engine's steps,
+the compute alone and the replays run in the same rounds, so that a burst of load elsewhere
+hits all three alike; every figure is the slowest rank's, summarised by medians.
 
 `acceptance_table()` prints issue 29's check: at N = 2 and 3, the fitted link's predictions of
 1-16 MiB all-reduces, reduce-scatters and all-gathers, and of each stage's communication per
@@ -52,14 +54,14 @@ class StageTime:
     world_size: int
     collectives: list[tuple[str, int]]  # one step's (op, S bytes), in issue order
     predicted_comm: float  # the link's seconds for those collectives, one after another
-    comm_alone: list[float]  # the same collectives replayed alone, per replay
+    comm_alone: list[list[float]]  # the same collectives replayed alone: per replay, per op
     compute: dict[str, list[float]]  # "forward", "backward", "step" (AdamW alone), per repeat
     phases: dict[str, list[float]]  # the engine's "forward", "backward", "step", "after", "total"
 
     def median(self, what: str) -> float:
         """Median seconds of "comm" (alone), "compute" (all three phases), or an engine phase."""
-        if what == "comm":
-            return statistics.median(self.comm_alone)
+        if what == "comm":  # each collective's median over the replays, summed
+            return sum(statistics.median(op) for op in zip(*self.comm_alone))
         if what == "compute":
             return sum(statistics.median(v) for v in self.compute.values())
         return statistics.median(self.phases[what])
@@ -80,7 +82,7 @@ class StageTime:
 class Overlap:
     """An all-reduce of `nbytes` and one forward+backward, alone and together (medians, s)."""
 
-    nbytes: int
+    nbytes: int  # the all-reduce's S: what the link predicts to take as long as the compute
     comm: float  # the all-reduce alone
     compute: float  # forward + backward alone
     busy: float  # issue the all-reduce, compute on the cores, then wait for it
@@ -119,9 +121,9 @@ def fit_link(group, ops: tuple[str, ...] = cost.OPS, repeats: int = 7) -> tuple[
     return sweep, cost.fit(sweep.only(FIT_SIZES))
 
 
-def _replay(events: list[comm.CommEvent], group) -> float:
-    """The collectives of `events` again, synchronously, one after another: comm's recorded
-    seconds for them, summed (this rank's)."""
+def _replay(events: list[comm.CommEvent], group) -> list[float]:
+    """The collectives of `events` again, synchronously, one after another from a barrier:
+    comm's recorded seconds for each, this rank's."""
     n = dist.get_world_size(group)
     calls = []
     for e in events:
@@ -136,49 +138,51 @@ def _replay(events: list[comm.CommEvent], group) -> float:
                 comm.reduce_scatter(shard, full, tag="lesson10/replay", group=group)
             else:
                 comm.all_gather(full, shard, tag="lesson10/replay", group=group)
-    return sum(e.end - e.start for e in log.events)
+    return [e.end - e.start for e in log.events]
 
 
-def compute_alone(group, numel: int, repeats: int) -> dict[str, list[float]]:
-    """The model's forward and backward with no engine (the bench's floor), and AdamW's step
-    over `numel` fp32 elements (what this rank updates), on every rank of `group` at once."""
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    model = GPT(MODEL)
-    flat = torch.nn.Parameter(torch.zeros(numel))
-    flat.grad = torch.full_like(flat, 1e-3)
-    optimizer = torch.optim.AdamW([flat], lr=LR)
-    out: dict[str, list[float]] = {"forward": [], "backward": [], "step": []}
-    for r in range(repeats + 1):  # the first is a warm-up (Adam creates its state)
-        x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, r, rank, n)
+class Floor:
+    """Compute alone: the model's forward and backward with no engine (the bench's floor) and
+    AdamW's step over `numel` fp32 elements (what one rank of the stage updates)."""
+
+    def __init__(self, numel: int):
+        self.model = GPT(MODEL)
+        self.flat = torch.nn.Parameter(torch.zeros(numel))
+        self.flat.grad = torch.full_like(self.flat, 1e-3)
+        self.optimizer = torch.optim.AdamW([self.flat], lr=LR)
+
+    def time(self, x: torch.Tensor, y: torch.Tensor, group) -> list[float]:
+        """One round on every rank of `group` at once: the slowest rank's forward, backward
+        and step seconds, from the spans of a comm recording."""
         with comm.record_comm(group) as log:
             with log.span("forward"):
-                loss = model.loss(model(x), y)
+                loss = self.model.loss(self.model(x), y)
             with log.span("backward"):
                 loss.backward()
             with log.span("step"):
-                optimizer.step()
-        model.zero_grad(set_to_none=False)
-        seconds = _slowest([s.end - s.start for s in log.spans], group)
-        if r:
-            for name, s in zip(out, seconds):
-                out[name].append(s)
-    return out
+                self.optimizer.step()
+        self.model.zero_grad(set_to_none=False)
+        return _slowest([s.end - s.start for s in log.spans], group)
 
 
 def stage_time(key: str, group, link: cost.Link, steps: int = 3) -> StageTime:
-    """Train stage `key` on `group`: 2 warm-up steps, then `steps` measured steps, each also
-    replayed alone (its collectives without compute)."""
+    """Train stage `key` on `group`: 2 warm-up steps, then `steps` rounds of: one measured
+    step, the same batch through the Floor (compute alone), and the step's collectives
+    replayed alone. In the same rounds, so that a burst of load elsewhere hits all three."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     model = GPT(MODEL)
     engine = engines.make_engine(key, model, torch.optim.AdamW, group=group, lr=LR)
     psi = num_params(model)
+    floor = Floor(psi if key == "ddp" else -(-psi // n))  # the elements this rank steps
     for seed in range(2):
-        harness.train_step(engine, *harness.local_batch(model.make_batch, GLOBAL_BATCH, seed,
-                                                        rank, n))
+        x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, seed, rank, n)
+        harness.train_step(engine, x, y)
         engine.wait_params()
+        floor.time(x, y, group)
     phases: dict[str, list[float]] = {p: [] for p in ("forward", "backward", "step", "after",
                                                       "total")}
-    alone, events = [], []
+    compute: dict[str, list[float]] = {p: [] for p in ("forward", "backward", "step")}
+    alone = []
     for seed in range(2, 2 + steps):
         x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, seed, rank, n)
         log = harness.measured_step(engine, x, y, memory=False).log
@@ -188,36 +192,45 @@ def stage_time(key: str, group, link: cost.Link, steps: int = 3) -> StageTime:
         mine += [end - span["step"].end, end]
         for p, s in zip(phases, _slowest(mine, group)):
             phases[p].append(s)
+        for p, s in zip(compute, floor.time(x, y, group)):
+            compute[p].append(s)
         events = [e for e in log.events if e.op in cost.SHARED_OPS]
-        alone.append(_slowest([_replay(events, group)], group)[0])
-    numel = psi if key == "ddp" else -(-psi // n)  # the elements this rank's AdamW steps
+        alone.append(_slowest(_replay(events, group), group))
     return StageTime(engines.label(key), n, [(e.op, e.nbytes) for e in events],
-                     link.predict_events(events), alone, compute_alone(group, numel, steps),
-                     phases)
+                     link.predict_events(events), alone, compute, phases)
 
 
-def overlap(group, nbytes: int = 4 * MiB, repeats: int = 5) -> Overlap:
-    """An all-reduce of `nbytes` and the model's forward+backward: alone, and together (the
-    all-reduce issued first, then the compute, then the wait), with the compute on the cores
-    or replaced by a sleep as long as it (the cores free, as when a GPU computes)."""
+def overlap(group, link: cost.Link, repeats: int = 5) -> Overlap:
+    """An all-reduce and the model's forward+backward: alone, and together (the all-reduce
+    issued first, then the compute, then the wait), with the compute on the cores or replaced
+    by a sleep as long as it (the cores free, as when a GPU computes). The all-reduce's size
+    is the one the link predicts to take as long as the compute, so that either could hide
+    the other."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     model = GPT(MODEL)
     x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 0, rank, n)
-    grads = torch.zeros(nbytes // 4)
-    got: dict[str, list[float]] = {k: [] for k in ("comm", "compute", "busy", "inner", "idle")}
 
     def compute() -> None:
         model.loss(model(x), y).backward()
         model.zero_grad(set_to_none=False)
 
+    spans = []
+    for _ in range(3):
+        with comm.record_comm(group) as log, log.span("compute"):
+            compute()
+        spans.append(_slowest([log.spans[-1].end - log.spans[-1].start], group)[0])
+    # S such that alpha·2(N-1) + beta·2(N-1)/N·S = the compute's seconds, 1 to 64 MiB
+    steps = 2 * (n - 1)
+    nbytes = (statistics.median(spans) - link.alpha * steps) / (link.beta * steps / n)
+    grads = torch.zeros(min(64 * MiB, max(MiB, int(nbytes) // MiB * MiB)) // 4)
+    got: dict[str, list[float]] = {k: [] for k in ("comm", "compute", "busy", "inner", "idle")}
     for r in range(repeats + 1):
         mine = []
         with comm.record_comm(group) as log:
             comm.all_reduce(grads, tag="lesson10/overlap/alone", group=group)
         mine.append(log.events[-1].end - log.events[-1].start)
-        with comm.record_comm(group) as log:
-            with log.span("compute"):
-                compute()
+        with comm.record_comm(group) as log, log.span("compute"):
+            compute()
         mine.append(log.spans[-1].end - log.spans[-1].start)
         for sleep in (False, True):
             with comm.record_comm(group) as log:
@@ -231,12 +244,23 @@ def overlap(group, nbytes: int = 4 * MiB, repeats: int = 5) -> Overlap:
                 handle.wait()
             total = max(log.events[-1].end, log.spans[-1].end)
             mine += [total] if sleep else [total, log.spans[-1].end - log.spans[-1].start]
-        if r:
-            for k, s in zip(("comm", "compute", "busy", "inner", "idle"), _slowest(mine, group)):
+        if r:  # the first round is a warm-up
+            for k, s in zip(got, _slowest(mine, group)):
                 got[k].append(s)
     med = {k: statistics.median(v) for k, v in got.items()}
     return Overlap(grads.numel() * 4, med["comm"], med["compute"], med["busy"], med["inner"],
                    med["idle"])
+
+
+def hid(o: Overlap, together: float) -> str:
+    """A verdict on what overlap hid, from the measurement: most, part, or none."""
+    share = o.hidden(together) / min(o.comm, o.compute)
+    if share >= 0.5:
+        return f"hid most of the shorter one ({share:.0%})"
+    if share > 0.1:
+        return f"hid part of the shorter one ({share:.0%})"
+    return f"hid nothing: together took {together / (o.comm + o.compute):.0%} of one after " \
+           "the other"
 
 
 def run_at(group, stages: tuple[str, ...] = engines.STAGE_ENGINES, steps: int = 3,
@@ -247,7 +271,7 @@ def run_at(group, stages: tuple[str, ...] = engines.STAGE_ENGINES, steps: int = 
     for key in stages:
         run.stages[engines.label(key)] = stage_time(key, group, link, steps)
     if with_overlap:
-        run.overlap = overlap(group)
+        run.overlap = overlap(group, link)
     return run
 
 
@@ -300,29 +324,73 @@ def _verdict(predicted: float, measured: float) -> str:
     return f"{miss:+6.0%}  {'within' if abs(miss) <= BAND else 'OUTSIDE'} {BAND:.0%}"
 
 
-def format_check(runs: dict[int, Run]) -> str:
-    """The prediction-vs-measurement table of `runs` (collectives at CHECK_SIZES, then each
-    stage's communication per step), with a count of the predictions within BAND."""
+def format_check(runs: dict[int, Run], collectives: bool = True, stages: bool = True) -> str:
+    """The prediction-vs-measurement table of `runs`: the collectives at CHECK_SIZES and each
+    stage's communication per step, with how many predictions fell within BAND."""
     lines, hits, total = [], 0, 0
     for n, run in runs.items():
         link = run.link
-        lines.append(f"N = {n}: alpha {link.alpha * 1e6:.0f} µs, beta {link.beta * 1e9:.3f} "
-                     f"ns/B ({link.bandwidth / 1e9:.2f} GB/s), predicting with the "
-                     f"{link.model} fit; medians of {len(run.sweep.timings[0].seconds)}")
+        lines.append(f"N = {n}: α {link.alpha * 1e6:.0f} µs, β {link.beta * 1e9:.3f} ns/B "
+                     f"({link.bandwidth / 1e9:.2f} GB/s), the {link.model} fit")
         lines.append(f"  {'':16}{'S':>9}  {'measured':>10}  {'predicted':>10}  {'error':>6}")
-        for t in run.sweep.only(CHECK_SIZES).timings:
+        for t in run.sweep.only(CHECK_SIZES).timings if collectives else ():
             if t.op not in cost.SHARED_OPS:
                 continue
             p = link.predict(t.op, t.nbytes)
             hits, total = hits + (abs(p / t.median - 1) <= BAND), total + 1
             lines.append(f"  {t.op:16}{t.nbytes / MiB:>5.1f} MiB  {t.median * 1e3:>7.2f} ms  "
                          f"{p * 1e3:>7.2f} ms  {_verdict(p, t.median)}")
-        for name, s in run.stages.items():
+        for name, s in run.stages.items() if stages else ():
             m, p = s.median("comm"), s.predicted_comm
             hits, total = hits + (abs(p / m - 1) <= BAND), total + 1
             lines.append(f"  {name + ' step':16}{len(s.collectives):>5} ops  {m * 1e3:>7.2f} ms  "
                          f"{p * 1e3:>7.2f} ms  {_verdict(p, m)}")
     lines.append(f"{hits} of {total} predictions within {BAND:.0%} of the measurement")
+    return "\n".join(lines)
+
+
+def quartiles(t: cost.Timing) -> tuple[float, float]:
+    """First and third quartile of a timing's repeats (seconds)."""
+    q1, _, q3 = statistics.quantiles(t.seconds, n=4, method="inclusive")
+    return q1, q3
+
+
+def breakdown(s: StageTime) -> dict[str, float]:
+    """What plots.seconds.step_breakdown draws for one stage (medians, seconds)."""
+    out = {p: statistics.median(s.compute[p]) for p in ("forward", "backward", "step")}
+    return {**out, "measured": s.median("total"),
+            "predicted": s.median("compute") + s.predicted_comm}
+
+
+def format_steps(runs: dict[int, Run]) -> str:
+    """Per N and stage: compute alone, communication (predicted), the step predicted
+    (compute + communication, nothing hidden) and measured, exposed and hidden (ms)."""
+    lines = [f"{'':12}{'compute':>8}{'comm':>7}{'step: predicted':>17}{'measured':>10}"
+             f"{'error':>7}{'exposed':>9}{'hidden':>8}   (ms, medians, slowest rank)"]
+    for n, run in runs.items():
+        for name, s in run.stages.items():
+            predicted = s.median("compute") + s.predicted_comm
+            hidden = s.median("comm") - s.exposed
+            lines.append(f"{name + ', N = ' + str(n):12}{s.median('compute') * 1e3:>8.1f}"
+                         f"{s.predicted_comm * 1e3:>7.1f}{predicted * 1e3:>17.1f}"
+                         f"{s.median('total') * 1e3:>10.1f}"
+                         f"{predicted / s.median('total') - 1:>+7.0%}"
+                         f"{s.exposed * 1e3:>9.1f}{hidden * 1e3:>8.1f}")
+    return "\n".join(lines)
+
+
+def format_phases(runs: dict[int, Run]) -> str:
+    """Per N and stage: each phase of the engine's step minus the same compute alone (ms),
+    beside the step's communication alone."""
+    lines = [f"{'':12}{'forward':>9}{'backward':>9}{'step':>8}{'after':>8}{'comm alone':>12}"
+             "   (ms: engine minus compute alone)"]
+    for n, run in runs.items():
+        for name, s in run.stages.items():
+            by = s.exposed_by_phase()
+            lines.append(f"{name + ', N = ' + str(n):12}" + "".join(
+                f"{by[p] * 1e3:>{w}.1f}" for p, w in (("forward", 9), ("backward", 9),
+                                                       ("step", 8), ("after", 8)))
+                + f"{s.median('comm') * 1e3:>12.1f}")
     return "\n".join(lines)
 
 
