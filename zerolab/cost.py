@@ -28,6 +28,12 @@ pairs predict each measured point from a fit that left it out (leave-one-out) cl
 so the data decide. `Link.alpha` and `Link.beta` are the shared pair either way. Broadcast
 always has its own pair: a rank sends or receives, not both, so a byte costs it differently.
 
+Timed back to back, in bursts (`measure`): on gloo a send waits until the receiver has
+posted its receive (a rendezvous, gloo/transport/tcp/pair.cc), so zerolab's reduce-scatter
+(sends) and all-gather (tree broadcasts) called one after another wait on the slower rank
+each time, and cost more than the same call timed alone from a barrier; a step issues its
+buckets back to back, and the fit should price what a step sees.
+
 On one machine the "link" is the cores: every byte is copied by the sender's and the
 receiver's CPU. With more ranks than cores, ranks wait for a core, and beta grows with N: fit
 at the world size you predict for (notebook 10 measures by how much).

@@ -113,11 +113,12 @@ def _slowest(values: list[float], group) -> list[float]:
     return t.tolist()
 
 
-def fit_link(group, ops: tuple[str, ...] = cost.OPS, repeats: int = 7) -> tuple[cost.Sweep,
-                                                                              cost.Link]:
+def fit_link(group, ops: tuple[str, ...] = cost.OPS, repeats: int = 7,
+             burst: int = 4) -> tuple[cost.Sweep, cost.Link]:
     """One sweep of FIT_SIZES and CHECK_SIZES in the same shuffled rounds; the link is fitted
     on FIT_SIZES only, so CHECK_SIZES are sizes it never saw, measured alongside."""
-    sweep = cost.measure(sizes=FIT_SIZES + CHECK_SIZES, ops=ops, repeats=repeats, group=group)
+    sweep = cost.measure(sizes=FIT_SIZES + CHECK_SIZES, ops=ops, repeats=repeats, burst=burst,
+                         group=group)
     return sweep, cost.fit(sweep.only(FIT_SIZES))
 
 
@@ -264,9 +265,9 @@ def hid(o: Overlap, together: float) -> str:
 
 
 def run_at(group, stages: tuple[str, ...] = engines.STAGE_ENGINES, steps: int = 3,
-           with_overlap: bool = False) -> Run:
+           with_overlap: bool = False, burst: int = 4) -> Run:
     """Everything for one group: the link, each stage, and (with_overlap) the overlap test."""
-    sweep, link = fit_link(group)
+    sweep, link = fit_link(group, burst=burst)
     run = Run(dist.get_world_size(group), num_params(GPT(MODEL)), sweep, link)
     for key in stages:
         run.stages[engines.label(key)] = stage_time(key, group, link, steps)
@@ -394,18 +395,20 @@ def format_phases(runs: dict[int, Run]) -> str:
     return "\n".join(lines)
 
 
-def acceptance(sizes: tuple[int, ...] = (2, 3), steps: int = 3) -> dict[int, Run | None]:
+def acceptance(sizes: tuple[int, ...] = (2, 3), steps: int = 3,
+               burst: int = 4) -> dict[int, Run | None]:
     """Inside ranks: the link and the stages' communication at each N (no overlap test)."""
     ctx = zerolab.init_from_env()
     out: dict[int, Run | None] = {}
     for n in sizes:
         group = dist.new_group(list(range(n)))
-        out[n] = run_at(group, steps=steps) if ctx.rank < n else None
+        out[n] = run_at(group, steps=steps, burst=burst) if ctx.rank < n else None
         dist.barrier()
     return out
 
 
-def acceptance_table(sizes: tuple[int, ...] = (2, 3), steps: int = 3) -> str:
-    """Issue 29's done-when check, launched from here: prints nothing, returns the table."""
-    runs = zerolab.launch(acceptance, max(sizes), args=(sizes, steps), timeout=1800)[0]
+def acceptance_table(sizes: tuple[int, ...] = (2, 3), steps: int = 3, burst: int = 4) -> str:
+    """Issue 29's done-when check, launched from here: prints nothing, returns the table.
+    burst: back-to-back calls per timed repeat in the sweep (cost.measure; 1: each alone)."""
+    runs = zerolab.launch(acceptance, max(sizes), args=(sizes, steps, burst), timeout=1800)[0]
     return format_check(runs)
