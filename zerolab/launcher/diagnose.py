@@ -207,14 +207,15 @@ that fails in a fresh process stops the rank (a module not found from there, a r
 work that belongs under `if __name__ == "__main__":`). Its output below shows where."""
 
 
-def hang_error(stuck: list[int], timeout: float, certain: bool, idle_s: float,
+def hang_error(stuck: list[int], timeout: float, certain: bool, still_s: float,
                explanation: str) -> LaunchTimeout:
     """The error for ranks stopped because they hung. certain: a deadlock seen for sure
-    (zerolab.launcher.hangs.deadlocked) after idle_s seconds; else `timeout` seconds passed
-    without progress. explanation: where each rank was and where their collectives differ."""
+    (zerolab.launcher.hangs.deadlocked), their collectives unchanged for still_s seconds; else
+    `timeout` seconds passed without progress. explanation: where each rank was and where their
+    collectives differ."""
     if certain:
         head = (f"ranks {stuck} were stopped: they wait on each other in collectives that can "
-                f"never complete (nothing moved for {idle_s:.1f}s)")
+                f"never complete (none moved for {still_s:.1f}s)")
     else:
         head = (f"ranks {stuck} made no progress for {timeout:g}s (no collective issued or "
                 f"completed, nothing printed, no CPU used) and were stopped")

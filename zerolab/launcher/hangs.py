@@ -47,12 +47,14 @@ def rank_file(workdir: str, kind: str, rank: int) -> str:
 
 
 class Watch:
-    """Progress of a launch's ranks: `poll()` now and then, `idle_s()` since the last."""
+    """Progress of a launch's ranks: `poll()` now and then; `idle_s()` since the last progress
+    of any kind, `still_s()` since the last change in the ranks' collectives."""
 
     def __init__(self, workdir: str, pids: list[int]):
         self.workdir, self.pids = workdir, pids
-        self.last_progress = time.monotonic()
+        self.last_progress = self.last_change = time.monotonic()
         self._seen: tuple | None = None
+        self._other: tuple | None = None
         self._cpu = [_tree_cpu_s(pid) for pid in pids]
         self._polled = self.last_progress
 
@@ -60,16 +62,23 @@ class Watch:
         now = time.monotonic()
         ranks = range(len(self.pids))
         seen = (tuple(flight.read_activity(rank_file(self.workdir, "flight", r)) for r in ranks),
-                tuple(_size(rank_file(self.workdir, "log", r)) for r in ranks),
                 tuple(os.path.exists(rank_file(self.workdir, "result", r)) for r in ranks))
+        other = tuple(_size(rank_file(self.workdir, "log", r)) for r in ranks)
         cpu = [_tree_cpu_s(pid) for pid in self.pids]
         busy = any(b - a > CPU_BUSY * (now - self._polled) for a, b in zip(self._cpu, cpu))
-        if seen != self._seen or busy:
+        if seen != self._seen:
+            self.last_change = now
+        if seen != self._seen or other != self._other or busy:
             self.last_progress = now
-        self._seen, self._cpu, self._polled = seen, cpu, now
+        self._seen, self._other, self._cpu, self._polled = seen, other, cpu, now
 
     def idle_s(self) -> float:
         return time.monotonic() - self.last_progress
+
+    def still_s(self) -> float:
+        """Seconds since a rank last issued or completed a collective, or returned (a thread
+        that prints or computes beside a rank blocked in a collective does not unblock it)."""
+        return time.monotonic() - self.last_change
 
 
 def _size(path: str) -> int:

@@ -164,6 +164,7 @@ def _wait_all(procs: list, workdir: str, timeout: float | None, fn_name: str) ->
     running = {p.sentinel: rank for rank, p in enumerate(procs)}
     watch = hangs.Watch(workdir, [p.pid for p in procs])
     settle = hangs.SETTLE_S if timeout is None else min(hangs.SETTLE_S, timeout / 2)
+    judged = None  # the state of the collectives last judged (not) a deadlock
     while running:
         failed = []
         for sentinel in multiprocessing.connection.wait(list(running), timeout=POLL_S):
@@ -186,12 +187,16 @@ def _wait_all(procs: list, workdir: str, timeout: float | None, fn_name: str) ->
         if timeout is None or not running:
             continue
         watch.poll()
-        idle = watch.idle_s()
-        certain = idle >= settle and hangs.deadlocked(_states(procs, workdir, ()))
+        still, idle = watch.still_s(), watch.idle_s()
+        # Whether it is a deadlock: asked once per state of the collectives that has lasted.
+        certain = False
+        if still >= settle and watch.last_change != judged:
+            judged = watch.last_change
+            certain = hangs.deadlocked(_states(procs, workdir, ()))
         if certain or idle >= timeout:
             stuck = sorted(running.values())
             states = _states(procs, workdir, stuck)
-            raise hang_error(stuck, timeout, certain, idle, hangs.explain(states, fn_name))
+            raise hang_error(stuck, timeout, certain, still, hangs.explain(states, fn_name))
 
 
 def _states(procs: list, workdir: str, ask: Any) -> list[hangs.RankState]:

@@ -50,8 +50,8 @@ import torch.distributed as dist
 SLOTS = 256  # entries kept: the last 256 collectives (ranks part within a few)
 MAGIC = b"ZLFLIGHT"
 # magic, rank, world_size, pid, main thread, written (entries so far), activity (bumped at each
-# issue, completion and phase change), blocked (position of the entry the rank waits in, -1),
-# phase, slots
+# issue, wait, completion and phase change), blocked (position of the entry the rank waits in,
+# -1 if none), phase, slots
 HEADER = struct.Struct("<8siiqQqqqii")
 # position, seq, state, async, comparable, kind, peer, nbytes, t_issue, t_done,
 # op, dtype, group name, group ranks, shape, tag
@@ -144,8 +144,10 @@ class _Calling:
     def __enter__(self) -> None:
         local = self.rec._local
         local.depth = getattr(local, "depth", 0) + 1
-        if self.blocking:
-            struct.pack_into("<q", self.rec._map, _BLOCKED_AT, self.pos)
+        if self.blocking:  # a change the launcher must see: the rank now waits in it
+            with self.rec._lock:
+                struct.pack_into("<q", self.rec._map, _BLOCKED_AT, self.pos)
+                self.rec._bump()
 
     def __exit__(self, kind: type | None, value: object, tb: object) -> None:
         self.rec._local.depth -= 1
