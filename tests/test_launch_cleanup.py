@@ -109,9 +109,13 @@ def test_what_a_caller_killed_with_its_zygote_left_is_cleaned_by_the_next_launch
 
 def test_stale_leftovers_are_those_of_dead_owners_only(tmpdir_here):
     """A live owner's launch folder and zygote log are kept; a dead one's go; a folder of an
-    older zerolab (no owner file) goes once it is a day old."""
-    me, dead = leftovers.owner_id(), "999999999.1"
+    older zerolab (no owner file) goes once it is a day old; one whose owner lives in another
+    pid namespace (a container sharing /tmp) stays."""
+    me = leftovers.owner_id()
+    dead = "999999999.1." + me.split(".")[2]  # in this pid namespace: surely dead
+    elsewhere = "999999999.1.1"  # another namespace's: not ours to judge
     for name, owner in [("zerolab-launch-mine", me), ("zerolab-launch-dead", dead),
+                        ("zerolab-launch-elsewhere", elsewhere),
                         ("zerolab-launch-old", None), ("zerolab-launch-new", None)]:
         (tmpdir_here / name).mkdir()
         if owner:
@@ -126,5 +130,6 @@ def test_stale_leftovers_are_those_of_dead_owners_only(tmpdir_here):
         "zerolab-launch-dead", "zerolab-launch-old", f"zerolab-progress-{dead}-d.jsonl",
         f"zerolab-zygote-{dead}-b.log"])
     assert sorted(os.listdir(tmpdir_here)) == sorted([
-        "other.txt", "zerolab-launch-mine", "zerolab-launch-new", "zerolab-zygote-c1x2.log",
+        "other.txt", "zerolab-launch-elsewhere", "zerolab-launch-mine", "zerolab-launch-new",
+        "zerolab-zygote-c1x2.log",
         f"zerolab-zygote-{me}-a.log"])

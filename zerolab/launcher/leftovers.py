@@ -29,7 +29,7 @@ import signal
 import tempfile
 import time
 
-OWNER = "ZEROLAB_OWNER"  # the caller that launched: "pid.start_time"
+OWNER = "ZEROLAB_OWNER"  # the caller that launched: "pid.start_time.pid_namespace"
 LAUNCH = "ZEROLAB_LAUNCH"  # a rank's launch folder
 LAUNCH_PREFIX = "zerolab-launch-"
 ZYGOTE_PREFIX = "zerolab-zygote-"
@@ -39,19 +39,32 @@ UNOWNED_AGE_S = 24 * 3600  # a launch folder with no owner file (older zerolab) 
 
 
 def owner_id(pid: int | None = None) -> str:
-    """A process's identity: its pid and its start time (a pid alone is reused)."""
+    """A process's identity: its pid, its start time (a pid alone is reused) and its pid
+    namespace (another container sharing this temporary folder counts its pids apart)."""
     pid = os.getpid() if pid is None else pid
-    return f"{pid}.{_start_time(pid)}"
+    return f"{pid}.{_start_time(pid)}.{_pid_namespace()}"
 
 
 def owner_alive(owner: str) -> bool:
-    pid, _, start = owner.partition(".")
-    if not pid.isdigit():
+    """Whether the process `owner_id` named is alive; True where this process cannot tell (it
+    lives in another pid namespace): only what is surely dead is cleaned up."""
+    parts = owner.split(".")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
         return False
+    pid, start, namespace = parts
+    if namespace != str(_pid_namespace()):
+        return True
     try:
         return str(_start_time(int(pid))) == start
     except (OSError, ValueError):
         return False
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def _start_time(pid: int) -> int:
@@ -152,7 +165,7 @@ def _owner_of(path: str, name: str) -> str | None:
         except OSError:
             return None
     for prefix in (ZYGOTE_PREFIX, PROGRESS_PREFIX):
-        found = re.match(re.escape(prefix) + r"(\d+\.\d+)-", name)  # zerolab-zygote-<owner>-*
+        found = re.match(re.escape(prefix) + r"(\d+\.\d+\.\d+)-", name)  # <prefix><owner>-*
         if found:
             return found.group(1)
     return None
