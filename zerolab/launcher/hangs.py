@@ -360,7 +360,8 @@ def _difference(group: str, seq: int, at: dict[int, Entry | None], states: list[
         s = states[m]
         verb = ("waits in" if s.waiting_in() is e else
                 "died in" if s.status == "died" and e.state != "completed" else
-                "failed in" if e.state == "failed" else "issued")
+                "failed in" if e.state == "failed" else
+                "called" if e.state == "completed" else "issued")
         parts.append(f"rank {m} {verb} {describe(e, world_size)}")
     for m in missing:
         parts.append(f"rank {m} never issued #{seq}: " + _why_missing(states[m], fn_name,
