@@ -124,7 +124,7 @@ def recorder_overhead(pairs, steps_per_turn=1):
     from zerolab import engines, harness
     from zerolab.data import Corpus
     from zerolab.models import GPT, GPTConfig
-    from zerolab.wire import flight
+    from zerolab.wire import flight, flight_torch
 
     corpus = Corpus.builtin()
     model = GPT(GPTConfig(vocab_size=corpus.tokenizer.vocab_size, block_size=64, n_layer=2,
@@ -136,11 +136,9 @@ def recorder_overhead(pairs, steps_per_turn=1):
     def turn(on):
         if on:
             flight._recorder = recorder
-            flight._hook_torch()
+            flight_torch.hook()
         else:
-            for module, name, original in flight._originals:
-                setattr(module, name, original)
-            flight._originals.clear()
+            flight_torch.unhook()
             flight._recorder = None
         dist.barrier()
         start = time.perf_counter()

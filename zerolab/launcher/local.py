@@ -31,6 +31,7 @@ import shutil
 import signal
 import socket
 import sys
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -54,7 +55,7 @@ from zerolab.launcher.diagnose import (
 from zerolab.launcher.hangs import rank_file
 from zerolab.launcher.spawn import spawn_rank
 from zerolab.launcher.torchrun import all_reach, choose_backend, default_threads
-from zerolab.wire import flight
+from zerolab.wire import flight, flight_torch
 
 DEFAULT_TIMEOUT = 120.0  # seconds without progress before hung ranks are stopped
 POLL_S = 0.2  # how often the launcher looks at the ranks' progress
@@ -166,19 +167,18 @@ def _wait_all(procs: list, workdir: str, timeout: float | None, fn_name: str) ->
     settle = hangs.SETTLE_S if timeout is None else min(hangs.SETTLE_S, timeout / 2)
     judged = None  # the state of the collectives last judged (not) a deadlock
     while running:
-        failed = []
-        for sentinel in multiprocessing.connection.wait(list(running), timeout=POLL_S):
-            rank = running.pop(sentinel)
-            procs[rank].join(timeout=5)  # reap it, so that exitcode is set
-            if procs[rank].exitcode != 0 or not os.path.exists(
-                    rank_file(workdir, "result", rank)):
-                failed.append(rank)
+        failed = _reap(procs, workdir, running, POLL_S)
+        if failed and all(_broken_by_a_peer(workdir, r) for r in failed):
+            # A peer's collective broke (gloo noticed within milliseconds) before the rank
+            # that broke it has finished dying (an abort writes its stacks first): wait for it.
+            failed += _reap(procs, workdir, running, 2.0)
         if failed:
             # Several ranks can be seen dead at once: the one that failed, and peers whose
-            # collective broke when it died (gloo notices within milliseconds). Report the
-            # rank that failed first (the cause, not a consequence): when each last wrote its
-            # error file, or, without one (killed, aborted), its output.
-            first = min(failed, key=lambda r: _last_written(workdir, r))
+            # collective broke when it died. Report the rank that failed first (the cause, not
+            # a consequence): not one that lost a peer, if another failed; then when each last
+            # wrote its error file, or, without one (killed, aborted), its output.
+            first = min(failed, key=lambda r: (_broken_by_a_peer(workdir, r),
+                                               _last_written(workdir, r)))
             states = _states(procs, workdir, running.values())
             raise failure(first, procs[first].exitcode,
                           _read(rank_file(workdir, "error", first)),
@@ -197,6 +197,34 @@ def _wait_all(procs: list, workdir: str, timeout: float | None, fn_name: str) ->
             stuck = sorted(running.values())
             states = _states(procs, workdir, stuck)
             raise hang_error(stuck, timeout, certain, still, hangs.explain(states, fn_name))
+
+
+def _reap(procs: list, workdir: str, running: dict, wait_s: float) -> list[int]:
+    """Wait up to wait_s for ranks to exit; those that failed (no result, or an exit code)."""
+    failed = []
+    deadline = time.monotonic() + wait_s
+    while running and not failed:
+        ready = multiprocessing.connection.wait(list(running),
+                                                timeout=max(0.0, deadline - time.monotonic()))
+        for sentinel in ready:
+            rank = running.pop(sentinel)
+            procs[rank].join(timeout=5)  # reap it, so that exitcode is set
+            if procs[rank].exitcode != 0 or not os.path.exists(
+                    rank_file(workdir, "result", rank)):
+                failed.append(rank)
+        if not ready or time.monotonic() >= deadline:
+            break
+    return failed
+
+
+# What gloo raises on a rank whose peer died or aborted in a collective with it.
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+             "Socket closed")
+
+
+def _broken_by_a_peer(workdir: str, rank: int) -> bool:
+    error = _read(rank_file(workdir, "error", rank))
+    return any(text in error for text in PEER_GONE)
 
 
 def _states(procs: list, workdir: str, ask: Any) -> list[hangs.RankState]:
@@ -238,7 +266,8 @@ def _worker(workdir: str, rank: int, world_size: int, backend: str, threads: int
     stacks = open(rank_file(workdir, "stack", rank), "w")  # noqa: SIM115 (open until exit)
     faulthandler.register(hangs.STACK_SIGNAL, file=stacks, all_threads=True)
     try:
-        flight.install(rank_file(workdir, "flight", rank), rank, world_size)
+        if flight.install(rank_file(workdir, "flight", rank), rank, world_size):
+            flight_torch.hook()  # torch.distributed's own functions, called directly
         with open(os.path.join(workdir, "payload"), "rb") as f:
             fn, args = pickle.load(f)
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
