@@ -18,6 +18,10 @@ measured). The launch's `timeout` is the time without progress after which the r
 stopped, not a limit on the whole run. Before that, a deadlock is recognised as soon as it is
 certain: every rank waits in a collective or has returned, nothing moved for SETTLE_S, and no
 collective waited in has all its group's ranks in it with the same op, size and dtype.
+
+On GPUs (NCCL) a collective returns to Python before it completes, and a rank waiting for one
+(in a later synchronisation) may spin a core: neither test sees that hang, and NCCL's own
+watchdog ends it at the group's timeout. The records still say where the ranks parted.
 """
 
 from __future__ import annotations
