@@ -257,6 +257,7 @@ def serve(fd: int, log_path: str = "") -> None:
     workdirs: set[str] = set()  # the folders of its ranks' launches
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _stop)
+    zygote = os.getpid()
     try:
         while True:
             for ready in multiprocessing.connection.wait([sock, *ranks]):
@@ -282,6 +283,8 @@ def serve(fd: int, log_path: str = "") -> None:
     except (_Stop, OSError):
         pass
     finally:
+        if os.getpid() != zygote:  # a rank that failed before it could run: not the zygote
+            os._exit(1)
         # Whatever the caller's launches left: ranks (their process groups), processes that
         # carry the mark of one of its launches, their folders, this zygote's log.
         for pid, _ in ranks.values():
