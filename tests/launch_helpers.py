@@ -98,11 +98,11 @@ SPAWNED = """\
 from zerolab.launcher import zygote
 
 
-def no_zygote():
+def no_zygote(world_size):
     raise zygote.ZygoteUnavailable("spawned ranks, for this test")
 
 
-zygote.Zygote.for_this_process = no_zygote
+zygote.Zygote.for_ranks = no_zygote
 """
 
 

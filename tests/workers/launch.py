@@ -289,3 +289,8 @@ class Unpicklable:
 
     def __reduce__(self):
         raise TypeError("this object refuses to be pickled")
+
+
+def set_order() -> tuple[str, ...]:
+    """The order in which this rank iterates a set of parameter-like names."""
+    return tuple({f"blocks.{i}.{part}" for i in range(8) for part in ("attn", "mlp", "ln")})

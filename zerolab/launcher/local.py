@@ -124,9 +124,9 @@ def _end(procs: list, workdir: str) -> None:
 def running_ranks() -> list[int]:
     """The pids of the ranks this process started that are still running: none once `launch`
     has returned or raised, which kills whatever is left."""
-    forker = zygote.Zygote.current()
+    forked = [pid for z in zygote.Zygote.running() for pid in z.ranks_running()]
     spawned = [p.pid for p in multiprocessing.active_children()]
-    return (forker.ranks_running() if forker else []) + spawned
+    return forked + spawned
 
 
 def _read(path: str) -> str:
@@ -139,25 +139,26 @@ def _read(path: str) -> str:
 
 def _start(procs: list, workdir: str, world_size: int, settings: tuple) -> None:
     """Start the ranks, appending each to `procs`, its output going to its log file from its
-    first instruction (the main script run again, a failed import): forked by the zygote, or
-    spawned where it cannot run. settings: (backend, threads, timeout, owner) for `_worker`."""
+    first instruction (the main script run again, a failed import): rank r forked by zygote r,
+    or spawned where no zygote can run. settings: (backend, threads, timeout, owner) for
+    `_worker`."""
     try:
-        forker = zygote.Zygote.for_this_process()
+        forkers = zygote.Zygote.for_ranks(world_size)
     except zygote.ZygoteUnavailable:
-        forker = None
+        forkers = None
     for rank in range(world_size):
         args, log = (workdir, rank, world_size, *settings), rank_file(workdir, "log", rank)
-        if forker is None:
+        if forkers is None:
             procs.append(spawn_rank(_worker, args, log))
             continue
         try:
-            procs.append(forker.start(_worker, args, log, workdir))
+            procs.append(forkers[rank].start(_worker, args, log, workdir))
         except zygote.ZygoteUnavailable as e:
             if rank > 0:
                 raise LaunchError(f"could not start rank {rank}: {e}") from e
-            # The zygote died since the last launch (killed): a new one, once.
-            forker = zygote.Zygote.for_this_process()
-            procs.append(forker.start(_worker, args, log, workdir))
+            # A zygote died since the last launch (killed): new ones, once.
+            forkers = zygote.Zygote.for_ranks(world_size)
+            procs.append(forkers[rank].start(_worker, args, log, workdir))
 
 
 def _wait_all(procs: list, workdir: str, timeout: float | None, fn_name: str) -> None:

@@ -1,7 +1,7 @@
 """Start ranks in milliseconds: fork them from a process that has imported torch already.
 
-    zygote = Zygote.for_this_process()          # started on first use, one per caller
-    rank = zygote.start(target, args, log_path)  # a forked process running target(*args)
+    zygotes = Zygote.for_ranks(world_size)       # started on first use: one per rank index
+    rank = zygotes[r].start(target, args, log_path)  # a forked process running target(*args)
     rank.join(timeout); rank.exitcode
 
 Note: why a zygote. A rank started with multiprocessing's `spawn` method is a new Python that
@@ -18,6 +18,14 @@ calls it; a lock that another thread held stays locked forever in the child. The
 notebook kernel) runs threads: Jupyter's, torch's thread pool, gloo's. The zygote runs one
 thread and has run no torch operation when it forks (it starts numpy's BLAS with one thread
 for that reason).
+
+Note: one zygote per rank index. Python picks the seed of its string hashes when it starts,
+and a forked child keeps its parent's: ranks forked from one zygote would iterate a set of
+strings in the same order, where ranks that torchrun starts (new Pythons) do not. A training
+loop that issues collectives in a set's order hangs under torchrun; it must hang here too, not
+pass. So rank r of every launch forks from zygote r, and each zygote starts with a hash seed
+of its own (unless the caller fixed PYTHONHASHSEED, which torchrun's ranks would inherit too).
+Zygote r starts when a launch first needs r + 1 ranks, beside the others.
 
 A forked rank gets what a spawned one would: the caller's environment, working directory,
 sys.path and main script (run again as `__mp_main__`, which is how `fn` defined there is
@@ -107,35 +115,58 @@ class ForkedRank:
 class Zygote:
     """The caller's end: start ranks by asking the zygote process to fork them."""
 
-    _current: Zygote | None = None
-    _current_lock = threading.Lock()
+    _by_index: dict[int, Zygote] = {}  # rank index -> its zygote (this process's)
+    _registry_lock = threading.Lock()
 
     @classmethod
-    def current(cls) -> Zygote | None:
-        """This process's zygote if one is running, without starting one. (A process forked
-        from this one, not by the zygote, needs its own: two processes' requests on one
-        socket would mix.)"""
-        zygote = cls._current
+    def current(cls, index: int = 0) -> Zygote | None:
+        """This process's zygote for rank `index` if one is running, without starting one. (A
+        process forked from this one, not by the zygote, needs its own: two processes'
+        requests on one socket would mix.)"""
+        zygote = cls._by_index.get(index)
         alive = zygote is not None and zygote.owner == os.getpid() and zygote.process.poll() is None
         return zygote if alive else None
 
     @classmethod
-    def for_this_process(cls) -> Zygote:
-        """This process's zygote, started on first use (and again if it has died)."""
-        with cls._current_lock:
-            if cls.current() is None:
-                cls._current = cls()
-            return cls._current
+    def running(cls) -> list[Zygote]:
+        """This process's zygotes that are running, by rank index."""
+        return [z for i in sorted(cls._by_index) if (z := cls.current(i)) is not None]
 
-    def __init__(self) -> None:
+    @classmethod
+    def for_ranks(cls, world_size: int) -> list[Zygote]:
+        """The zygotes of ranks 0..world_size-1, those missing (or dead) started side by side."""
+        with cls._registry_lock:
+            missing = [i for i in range(world_size) if cls.current(i) is None]
+            seeds = _hash_seeds(len(missing), taken={z.hash_seed for z in cls.running()})
+            started = {i: cls(seed) for i, seed in zip(missing, seeds)}  # importing, in parallel
+            cls._by_index.update(started)
+            try:
+                for zygote in started.values():
+                    zygote._wait_ready()
+            except ZygoteUnavailable:
+                for zygote in started.values():
+                    zygote.close()
+                raise
+            return [cls._by_index[i] for i in range(world_size)]
+
+    @classmethod
+    def for_this_process(cls) -> Zygote:
+        """Rank 0's zygote, started on first use (and again if it has died)."""
+        return cls.for_ranks(1)[0]
+
+    def __init__(self, hash_seed: int | str | None = None) -> None:
+        """Start a zygote process (its imports go on in the background: `_wait_ready`).
+        hash_seed: its string-hash seed (None: the caller's PYTHONHASHSEED, else random)."""
         if sys.platform != "linux":  # fork, and passing file descriptors, as Linux has them
             raise ZygoteUnavailable(f"no zygote on {sys.platform}")
         self.owner = os.getpid()
+        self.hash_seed = _hash_seeds(1, set())[0] if hash_seed is None else hash_seed
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         # The zygote imports zerolab and torch from where this process did.
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         env["OPENBLAS_NUM_THREADS"] = "1"  # numpy's BLAS would start a thread: see the Note
+        env["PYTHONHASHSEED"] = str(self.hash_seed)  # its ranks' string hashes: see the Note
         # The zygote, its ranks and their children carry their owner's name (leftovers.py).
         env[leftovers.OWNER] = owner = leftovers.owner_id()
         # Its output, for when it fails to start. The zygote removes this file when it exits.
@@ -150,6 +181,9 @@ class Zygote:
         theirs.close()
         self._socket = ours
         self._lock = threading.Lock()  # one request at a time: launches from two threads
+
+    def _wait_ready(self) -> None:
+        """Wait until the zygote has imported what ranks need, and check it imported ours."""
         self._socket.settimeout(300)  # importing torch on a busy machine; not forever
         try:
             ready = self._socket.recv(_MAX_MESSAGE)
@@ -211,7 +245,8 @@ class Zygote:
 
     def close(self) -> None:
         self._socket.close()  # the zygote sees the end of its input and exits (removing its log)
-        self.process.wait(timeout=10)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
         with contextlib.suppress(OSError):
             os.remove(self._log_path)
 
@@ -227,6 +262,19 @@ class Zygote:
             if self.process.poll() is not None:
                 with contextlib.suppress(OSError):
                     os.remove(self._log_path)
+
+
+def _hash_seeds(count: int, taken: set) -> list[int | str]:
+    """A string-hash seed for each new zygote: the caller's PYTHONHASHSEED where it set one (as
+    every rank of a torchrun job would inherit it), else a different random one each."""
+    if "PYTHONHASHSEED" in os.environ:
+        return [os.environ["PYTHONHASHSEED"]] * count
+    seeds: list[int | str] = []
+    while len(seeds) < count:
+        seed = 1 + int.from_bytes(os.urandom(4), "little") % (2**32 - 1)  # 1..4294967295
+        if seed not in taken and seed not in seeds:
+            seeds.append(seed)
+    return seeds
 
 
 # --- in the zygote process ----------------------------------------------------------------------
