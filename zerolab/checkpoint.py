@@ -80,8 +80,7 @@ def save(engine, folder: str) -> str:
     group = engine.job_group
     engine.wait_params()  # parameters gathered asynchronously after step() are complete
     os.makedirs(folder, exist_ok=True)
-    _agree(lock(folder) if rank == 0 else None, group, tag,
-           lambda: f"rank 0 could not take {os.path.join(folder, LOCK)}: {_owner_text(folder)}")
+    _agree(lock(folder) if rank == 0 else None, group, tag, lambda: _locked(folder))
     version = f"save-{1 + max(_versions(folder), default=0):06d}"  # after any crashed one
     _barrier(tag, group)  # every rank chose before any creates it
     target = os.path.join(folder, version)
@@ -141,9 +140,7 @@ def lock(folder: str) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        return (f"{folder} is being saved into by another job: {_owner_text(folder)}. Two jobs "
-                f"saving into one folder would delete each other's versions. Save into another "
-                f"folder, or wait for that job to end (its lock ends with its process).")
+        return _locked(folder)
     owner = {"pid": os.getpid(), "host": socket.gethostname(),
              "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     os.ftruncate(fd, 0)
@@ -157,6 +154,12 @@ def unlock(folder: str) -> None:
     fd = _held_locks.pop(os.path.realpath(folder), None)
     if fd is not None:
         os.close(fd)  # closing the descriptor drops the flock
+
+
+def _locked(folder: str) -> str:
+    return (f"{folder} is being saved into by another job: {_owner_text(folder)}. Two jobs "
+            f"saving into one folder would delete each other's versions. Save into another "
+            f"folder, or wait for that job to end (its lock ends with its process).")
 
 
 def _owner_text(folder: str) -> str:
