@@ -19,7 +19,8 @@ import pytest
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 EXPECTED = ["00_launch", "01_ddp", "01b_memory", "02_collectives", "03_zero1", "04_zero2",
-            "05_zero3", "06_fsdp2", "07_scaling", "08_activations", "09_past_one_node"]
+            "05_zero3", "06_fsdp2", "07_scaling", "08_activations", "09_past_one_node",
+            "10_bytes_to_seconds"]
 IGNORE_MARKERS = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")
 
 
