@@ -126,8 +126,9 @@ def test_the_checkpoint_holds_a_quarter_of_each_unit_per_rank(runs, folder):
     elements, and as many of SGD's momentum."""
     from zerolab.units import make_units
 
-    names = {p: n for n, p in GPT(lesson.MODEL).named_parameters()}
-    units = {u.name: [names[p] for p in u.params] for u in make_units(GPT(lesson.MODEL))}
+    model = GPT(lesson.MODEL)
+    names = {p: n for n, p in model.named_parameters()}
+    units = {u.name: [names[p] for p in u.params] for u in make_units(model)}
     numels = lesson.unit_numels()
     for rank in range(N):
         chunks = lesson.chunks_in(folder, rank)
