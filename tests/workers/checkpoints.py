@@ -11,7 +11,10 @@ import torch.distributed as dist
 
 from workers import engines as W
 from zerolab import checkpoint, engines, harness
+from zerolab.lessons import n09_dcp
+from zerolab.models import GPTConfig
 
+GPT_CONFIG = GPTConfig()  # W.build_model("gpt"): what the FSDP2 round trips use
 KIND = "mlp"  # a frozen parameter, a parameter of one element, a buffer (the GPT: tied weights)
 BF16 = {"param_dtype": torch.bfloat16}
 # Every zerolab engine, by the name of its checkpoint folder: (engine key, keyword arguments).
@@ -67,67 +70,19 @@ def load_every_checkpoint(root: str) -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
-# ---- zerolab <-> FSDP2 ---------------------------------------------------------------------
+# ---- zerolab <-> FSDP2 (notebook 09's functions, on the engine tests' GPT) -------------------
 
 
-def _fsdp2(kind: str):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = W.build_model(kind, seed=dist.get_rank() + 5)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=W.LR, weight_decay=0.1)
+def fsdp2_both_ways(zerolab_folder: str, fsdp2_folder: str) -> dict:
+    """FSDP2 loads zerolab's checkpoint (get_state_dict, dcp.load, set_state_dict); then a
+    fresh FSDP2 trains and saves its own with dcp.save."""
+    return n09_dcp.fsdp2_loads_and_saves(zerolab_folder, fsdp2_folder, GPT_CONFIG)
 
 
-def _full(model, optimizer) -> dict:
-    """FSDP2's state in full, as torch's state dict API gives it (a collective)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    params, state = get_state_dict(model, optimizer,
-                                   options=StateDictOptions(full_state_dict=True))
-    return {"model": params, "optimizer": state["state"], "groups": state["param_groups"]}
-
-
-def fsdp2_both_ways(kind: str, zerolab_folder: str, fsdp2_folder: str) -> dict:
-    """FSDP2 loads zerolab's checkpoint the documented way (get_state_dict, dcp.load,
-    set_state_dict); then a fresh FSDP2 trains 2 steps and dcp.saves its own."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    model, optimizer = _fsdp2(kind)
-    params, state = get_state_dict(model, optimizer)
-    sd = {"model": params, "optimizer": state}
-    dcp.load(sd, checkpoint_id=checkpoint.latest(zerolab_folder))
-    set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"])
-    loaded = _full(model, optimizer)
-    model, optimizer = _fsdp2(kind)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    for step in range(2):
-        x, y = harness.local_batch(model.make_batch, W.GLOBAL_BATCH, 100 + step, rank,
-                                   world_size)
-        model.loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    params, state = get_state_dict(model, optimizer)
-    dcp.save({"model": params, "optimizer": state}, checkpoint_id=fsdp2_folder)
-    return {"loaded": loaded, "saved": _full(model, optimizer)}
-
-
-def zerolab_from_fsdp2(kind: str, fsdp2_folder: str, root: str) -> dict[str, dict]:
+def zerolab_from_fsdp2(fsdp2_folder: str, root: str) -> dict[str, dict]:
     """ZeRO-3, ZeRO-2 and DDP load FSDP2's checkpoint at this world size, and save it again."""
-    out = {}
-    for key in ("zero3", "zero2", "ddp"):
-        model = W.build_model(kind, seed=dist.get_rank() + 9)
-        engine = engines.make_engine(key, model, torch.optim.AdamW, lr=1.0,
-                                     optimizer_tile_numel=7)
-        checkpoint.load(engine, fsdp2_folder)
-        out[key] = {"full": engine.full_state_dict(),
-                    "lr": engine.optimizer.param_groups[0]["lr"],
-                    "path": checkpoint.save(engine, os.path.join(root, key))}
-    return out
+    return {key: n09_dcp.zerolab_loads(fsdp2_folder, os.path.join(root, key), key, GPT_CONFIG)
+            for key in ("zero3", "zero2", "ddp")}
 
 
 def load_into_zero3(kind: str, folder: str) -> None:
