@@ -87,8 +87,10 @@ class _LedgerTracker(_Tracker):
                          for category, tensors in self.categorize().items() for t in tensors}
         self.made: dict[int, str] = {}  # id(storage) -> the phase it was made in
         self.param_grads: dict[int, weakref.ref] = {}  # backward outputs fed to a .grad
-        # At the peak: id(storage) -> (storage, bytes, category or None), padding by category
-        self.at_peak: dict[int, tuple[weakref.ref, int, str | None]] = {}
+        # At the peak: id(storage) -> (storage, bytes, category or None, phase made in); ids
+        # are reused once a storage is freed, so what is known of each is kept now.
+        self.at_peak: dict[int, tuple[weakref.ref, int, str | None, str]] = {}
+        self.grads_at_peak: set[int] = set()  # which of those are parameters' gradients
         self.padding_at_peak: dict[str, int] = {}
         self.phase_at_peak = "before"
 
@@ -115,11 +117,17 @@ class _LedgerTracker(_Tracker):
         for category, tensors in categories.items():
             for t in tensors:
                 category_of.setdefault(id(t.untyped_storage()), category)
-        self.at_peak = {}
+        self.at_peak, self.grads_at_peak = {}, set()
         for key, (ref, _) in self.live.items():
             storage = ref()
             if storage is not None and storage.nbytes():
-                self.at_peak[key] = (ref, storage.nbytes(), category_of.get(key))
+                made = self.made.get(key, "before")
+                if made == "before" and key in self.at_entry:
+                    made = f"before: {self.at_entry[key]}"
+                self.at_peak[key] = (ref, storage.nbytes(), category_of.get(key), made)
+                grad = self.param_grads.get(key)
+                if grad is not None and grad() is storage:
+                    self.grads_at_peak.add(key)
         self.padding_at_peak = padding(self.engine)
         self.phase_at_peak = self.phase
 
@@ -127,6 +135,8 @@ class _LedgerTracker(_Tracker):
         """A parameter's gradient, before the engine takes it in (a hook on the parameter)."""
         storage = grad.untyped_storage()
         self.param_grads[id(storage)] = weakref.ref(storage)
+        if id(storage) in self.at_peak and self.at_peak[id(storage)][0]() is storage:
+            self.grads_at_peak.add(id(storage))  # alive at the peak, a gradient only now
 
 
 def padding(engine) -> dict[str, int]:
@@ -197,22 +207,17 @@ def _ledger(tracker: _LedgerTracker, trace: MemoryTrace) -> Ledger:
     unexplained = overhead = 0
     unexplained_made: dict[str, int] = {}
     by_phase = {"forward": "forward temporaries", "step": "step temporaries"}
-    for key, (ref, nbytes, category) in tracker.at_peak.items():
+    for key, (_, nbytes, category, made) in tracker.at_peak.items():
         overhead += -nbytes % CPU_ALIGNMENT
         if category is None:
-            made = tracker.made.get(key, "before")
-            grad = tracker.param_grads.get(key)
             if made == "backward":
-                category = "grads" if grad is not None and grad() is ref() else "activation grads"
+                category = "grads" if key in tracker.grads_at_peak else "activation grads"
             else:
                 category = by_phase.get(made)
         if category in rows:
             rows[category] += nbytes
         else:
             unexplained += nbytes
-            made = tracker.made.get(key, "before")
-            if made == "before" and key in tracker.at_entry:
-                made = f"before: {tracker.at_entry[key]}"
             unexplained_made[made] = unexplained_made.get(made, 0) + nbytes
     for category, pad in tracker.padding_at_peak.items():
         rows[category] -= pad
