@@ -1,4 +1,4 @@
-"""The peak ledger (zerolab.parts.ledger, notebook 06's peak_ledgers): at 3 ranks, every byte of
+"""The peak ledger (zerolab.ledger, notebook 06's peak_ledgers): at 3 ranks, every byte of
 each stage's peak on the course GPT in a row (under 1% unexplained), the model-state rows at
 their formulas, torch's MemTracker beside it agreeing where it sees everything, and the padding
 row at what the layout says."""

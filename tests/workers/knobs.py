@@ -8,11 +8,10 @@ import torch
 import torch.distributed as dist
 
 from workers import engines as W
-from zerolab import comm, engines, harness
+from zerolab import comm, engines, harness, ledger
 from zerolab.lessons import n06_fsdp2
 from zerolab.memory import track_memory
 from zerolab.models import GPTConfig
-from zerolab.parts import ledger
 
 KNOB_MODEL = GPTConfig(n_layer=4)  # the course GPT's sizes, 4 blocks: 5 units
 KNOB_LABELS = ("FSDP2 defaults", "FSDP2 reshard_after_forward=False", "FSDP2 root resharded too",

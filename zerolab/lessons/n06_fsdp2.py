@@ -376,7 +376,7 @@ def ddp_bucket_view(config: GPTConfig = BUCKET_MODEL, steps: int = 3) -> dict[bo
 class PeakLedger:
     """One stage on the course GPT, one rank: its ledger, the formulas, torch's tracker."""
 
-    ledger: object  # zerolab.parts.ledger.Ledger
+    ledger: object  # zerolab.ledger.Ledger
     model_states: float  # formula, fp32 Adam (theory.model_state_memory)
     deepspeed: float | None  # DeepSpeed's estimator (mixed precision): ZeRO-2 and ZeRO-3 only
     torch_tracker: dict[str, int]  # torch.distributed._tools' MemTracker at its peak
@@ -393,7 +393,7 @@ def peak_ledgers(config: GPTConfig = COURSE_GPT, global_batch: int = 12,
     (torch.distributed._tools.mem_tracker; it runs on a CPU), on the same batch."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from zerolab.parts import ledger as ledgers
+    from zerolab import ledger as ledgers
     from zerolab.theory import deepspeed_zero2_bytes, deepspeed_zero3_bytes, model_state_memory
 
     rank, world_size = dist.get_rank(), dist.get_world_size()

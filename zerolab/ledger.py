@@ -1,6 +1,6 @@
 """A ledger for every byte of one rank's peak in a training step.
 
-    ledger = zerolab.parts.ledger.measure(engine, x, y)    # one step, forward to step()
+    ledger = zerolab.ledger.measure(engine, x, y)    # one step, forward to step()
     ledger.rows            # bytes at the peak, by what they are (ROWS), padding apart
     ledger.unexplained     # what nothing claims; ledger.table(): the rows, printed
 
