@@ -36,6 +36,7 @@ class GradShardedBucket(ShardedBucket):
 
 class ZeRO2(ZeRO1):
     name = "zero2"
+    grads_in_buckets = False  # .grad is autograd's own between a bucket's reductions
 
     def _make_buckets(self) -> list[GradShardedBucket]:
         return [GradShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]
@@ -79,10 +80,15 @@ class ZeRO2(ZeRO1):
         if received is not bucket.grad_shard:
             bucket.grad_shard += received  # += so that accumulated micro-batches add up
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the shards in place (model.zero_grad() and optimizer.zero_grad() call this), and
+        drop full gradients kept under no_sync()."""
         for b in self.buckets:
             b.grad_shard.zero_()
             b.grad_is_zero = True
+            b.local_shard.grad = b.grad_shard  # where the optimizer reads it, whatever was done
+            for p in b.params:
+                p.grad = None
 
     def state_tensors(self):
         state = super().state_tensors()

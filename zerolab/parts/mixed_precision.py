@@ -84,6 +84,17 @@ class MixedPrecisionPolicy:
                 t.copy_(master)  # rounded to the compute dtype
                 master.grad = None
 
+    def reload(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After values were loaded into the 16-bit tensors (model.load_state_dict): each master
+        takes the loaded value where it differs from the master's own rounding. A master whose
+        rounding is what was loaded keeps its fp32 bits: a save and load round trip changes
+        nothing. pairs: (master, the 16-bit tensor it stands for); nothing to do in fp32."""
+        with torch.no_grad():
+            for master, t in pairs:
+                if master is not t:
+                    changed = master.to(t.dtype) != t
+                    master[changed] = t[changed].float()
+
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.to(dtype) if t.is_floating_point() else t  # token ids stay integers
