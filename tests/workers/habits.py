@@ -168,8 +168,9 @@ def reference(habit: str) -> dict:
 
 
 def make(key: str, model, habit: str = "", **kwargs):
-    extra = {"shard_size": 1} if key == "hsdp" else {} if key == "zero3" else {
-        "bucket_bytes": SMALL_BUCKETS}
+    # HSDP: one node of 2 at 2 ranks (sharded, as ZeRO-3); 3 nodes of 1 at 3 (replicas only).
+    hsdp = {"shard_size": 2 if dist.get_world_size() % 2 == 0 else 1}
+    extra = hsdp if key == "hsdp" else {} if key == "zero3" else {"bucket_bytes": SMALL_BUCKETS}
     optimizer_cls, optimizer_kwargs = optimizer(habit)
     return engines.make_engine(key, model, optimizer_cls, **optimizer_kwargs, **extra, **kwargs)
 
