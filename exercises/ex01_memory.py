@@ -1,7 +1,6 @@
 """Exercises for notebook 01b (01b_memory): where the memory of training goes.
 
-Check your answers with `grade("ex01_memory")` in the notebook, or
-`python -m zerolab.grade ex01_memory`.
+Check them with `grade("ex01_memory")` in the notebook, or `python -m zerolab.grade ex01_memory`.
 """
 
 # Write your code in place of each `raise NotImplementedError(...)`. This file is generated

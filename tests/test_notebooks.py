@@ -19,7 +19,8 @@ import pytest
 
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 EXPECTED = ["00_launch", "01_ddp", "01b_memory", "02_collectives", "03_zero1", "04_zero2",
-            "05_zero3", "06_fsdp2", "07_scaling", "08_activations", "09_past_one_node"]
+            "05_zero3", "06_fsdp2", "07_scaling", "08_activations", "09_past_one_node",
+            "10_bytes_to_seconds"]
 IGNORE_MARKERS = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")
 
 
@@ -353,7 +354,7 @@ REFERENCE = re.compile(
     r"\d+(?:\.\d+)*[a-z]?(?:\s*(?:,|and|or|to|-|–|…|\.\.\.)\s*\d+(?:\.\d+)*[a-z]?)*", re.I)
 HEADING_NUMBER = re.compile(r"^(\s*#+\s*)\d+(?:\.\d+)*\.?", re.M)
 ENUMERATOR = re.compile(r"^(\s*)\d+\.(?=\s)", re.M)
-EXERCISE_ID = re.compile(r"\*\*\d+\.\d+\*\*")
+EXERCISE_ID = re.compile(r"\*\*\d+\.\d+\b")  # **3.1** or **3.1 `flat_shard`**: an exercise's id
 YEAR = re.compile(r"(?<![\d,.])(?:19\d\d|20[0-3]\d)(?![\d,.]\d)")
 NUMBER = re.compile(r"(?<![\w.,/^])(?<![A-Za-z]-)(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?"
                     r"(?=[xX×]\b|[xX×]$|[^\w]|$)")
@@ -431,7 +432,7 @@ def test_the_number_check_reads_the_rules_right():
     stated = [w for w, _, _, _ in stated_numbers(
         "## 4. Run it\n1. Rank 0 sends 3.1 ms, 1.5x and 28,032 bytes on 4 ranks (notebook 03, "
         "§5.2, Exercise 3.1, torch 2.13, 2020). $16\\Psi$ and `N = 4` and ZeRO-1, fp32, 7B, "
-        "16Ψ. [The paper](https://arxiv.org/abs/1910.02054) says 120 GB.")]
+        "16Ψ. [The paper](https://arxiv.org/abs/1910.02054) says 120 GB.\n- **9.2 `f`**: ok")]
     assert stated == ["3.1", "1.5", "28,032", "4"]
     assert matches(3.1, 1, [3.14]) and matches(1.5, 1, [1.497]) and matches(9, 0, [8.6])
     assert not matches(3.1, 1, [3.2]) and not matches(448624, 0, [448512])
