@@ -177,6 +177,14 @@ def test_broadcast_buffers_false_keeps_each_ranks_own(runs):
                                results[1]["engines"][name, key]["local_buffers"][mean]), key
 
 
+def test_a_copy_of_the_model_is_not_the_engine(runs):
+    """copy.deepcopy(model) (an EMA, an eval copy) copies the engine's hooks: the copy's
+    zero_grad() is torch's own, and its forward on rank 0 alone broadcasts no buffer."""
+    _, results = runs
+    for key, got in results[0]["copies"].items():
+        assert got["grads_kept"] and got["copy_collectives"] == 0, key
+
+
 def test_parameter_groups_train_as_torch(runs, references):
     n, results = runs
     tol = _tolerance(results, references, "param_groups")

@@ -9,6 +9,7 @@ torch's own DDP where that applies (the yardstick: torch's result, reached the s
 
 from __future__ import annotations
 
+import copy
 import io
 
 import torch
@@ -264,6 +265,30 @@ def reference_state_dicts() -> dict:
     return {"trained": trained, "trained_on": state(model), "partial": partial}
 
 
+# ---- a copy of the model (an EMA, an eval copy) ------------------------------------------------
+
+def copies(key: str) -> dict:
+    """copy.deepcopy of a wrapped model carries the engine's hooks: its zero_grad must not zero
+    the engine's gradients, and its forward on one rank alone must issue no collective."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = BatchNormNet(seed=rank)
+    engine = make(key, model)
+    x, y = batch(model, 0, rank, world_size)
+    model.loss(engine(x), y).backward()
+    engine._sync_grads()  # the reductions are done: the gradients the optimizer will read
+    before = [t.clone() for t in engine._owned_grads()]
+    copied = copy.deepcopy(model)
+    copied.zero_grad()
+    kept = all(torch.equal(a, b) for a, b in zip(before, engine._owned_grads()))
+    with zerolab.record_comm(align=False) as log:
+        if rank == 0:  # a hook issuing a collective here would hang the launch
+            copied.eval()
+            with torch.no_grad():
+                copied(x)
+    engine.step()
+    return {"grads_kept": kept, "copy_collectives": len(log.events)}
+
+
 # ---- everything, one launch --------------------------------------------------------------------
 
 def habits() -> dict:
@@ -282,6 +307,7 @@ def habits() -> dict:
         out["engines"]["batchnorm, no broadcast", key] = run_engine(
             key, "batchnorm", broadcast_buffers=False)
         out["state_dicts"][key] = state_dicts(key)
+    out["copies"] = {key: copies(key) for key in ("ddp", "zero1", "zero2")}
     for key in ("zero1", "zero2"):  # overlap opted into: readers of the model wait
         for habit in ("state_dict after step", "two_backward"):
             out["prefetch"][habit, key] = run_engine(key, habit, prefetch=True)

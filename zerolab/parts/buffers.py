@@ -43,10 +43,17 @@ class BufferSync:
         """Hook engine.module's forward: broadcast before it (over every rank of the job: HSDP's
         replicas too), and decide after it whether the next forward broadcasts."""
         sync = cls(engine.module, enabled)
-        engine.module.register_forward_pre_hook(lambda m, args: sync.before_forward(
-            engine.job_group, f"{engine.name}/fwd/buffers"))
-        engine.module.register_forward_hook(
-            lambda m, args, out: sync.after_forward(engine._sync))
+
+        def before(module: nn.Module, args) -> None:
+            if module is engine.module:  # not a copy of it (copy.deepcopy copies hooks too)
+                sync.before_forward(engine.job_group, f"{engine.name}/fwd/buffers")
+
+        def after(module: nn.Module, args, output) -> None:
+            if module is engine.module:
+                sync.after_forward(engine._sync)
+
+        engine.module.register_forward_pre_hook(before)
+        engine.module.register_forward_hook(after)
         return sync
 
     def before_forward(self, group: dist.ProcessGroup | None, tag: str) -> None:

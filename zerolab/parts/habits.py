@@ -66,10 +66,18 @@ def hook_module_state(engine: Any) -> None:
     """model.state_dict() and model.load_state_dict() on the whole model, under any engine:
     wait for parameter gathers in flight first; after a load, the masters follow."""
     model = engine.module
-    model.register_state_dict_pre_hook(lambda module, prefix, keep_vars: engine.wait_params())
-    model.register_load_state_dict_pre_hook(lambda module, *args: engine.wait_params())
-    model.register_load_state_dict_post_hook(lambda module, incompatible: engine.precision.reload(
-        [(m, s.tensor) for m, s in zip(engine.masters, engine.slots)]))
+
+    def wait(module: nn.Module, *args) -> None:
+        if module is model:  # not a copy of it (copy.deepcopy copies hooks too)
+            engine.wait_params()
+
+    def reload(module: nn.Module, incompatible_keys) -> None:
+        if module is model:
+            engine.precision.reload([(m, s.tensor) for m, s in zip(engine.masters, engine.slots)])
+
+    model.register_state_dict_pre_hook(wait)
+    model.register_load_state_dict_pre_hook(wait)
+    model.register_load_state_dict_post_hook(reload)
 
 
 # Note: model.state_dict() under ZeRO-3. At rest a rank holds only shards: every parameter of
@@ -93,7 +101,7 @@ def hook_gathered_state(engine: Any) -> None:
     opened: dict[int, list] = {}  # id(module) -> the units its pre-hook gathered
 
     def open_units(module: nn.Module, phase: str) -> None:
-        units = [u for u in units_of[module] if not u.unsharded]
+        units = [u for u in units_of.get(module, []) if not u.unsharded]  # [] for a copy
         for u in units:
             engine.unshard(u, phase)
         opened[id(module)] = units
