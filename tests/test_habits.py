@@ -47,16 +47,37 @@ def _cases(results: list, habits) -> list[tuple[str, str]]:
     return [(h, k) for (h, k) in results[0]["engines"] if h in habits]
 
 
+GRADS_SHARDED = ("zero2", "zero3", "hsdp")  # no full .grad between steps
+
+
 def test_every_zeroing_spelling_trains_as_torch(runs, references):
     """model.zero_grad(), optimizer.zero_grad() (set_to_none either way, before backward or
     after step), engine.zero_grad(), and p.grad = None by hand (DDP, ZeRO-1)."""
     n, results = runs
     for habit, key in _cases(results, H.ZEROING):
+        if habit == "p.grad = None" and key in GRADS_SHARDED:
+            continue  # the next test
         tol = _tolerance(results, references, habit)
         for rank, r in enumerate(results):
             _close(r["engines"][habit, key]["state"], references[habit]["state"], tol,
                    f"{key} {habit} N={n} rank {rank}")
     assert {k for h, k in _cases(results, ["model.zero_grad"])} == set(H.ENGINES)
+
+
+def test_gradients_never_zeroed_are_said_to_add_up(runs):
+    """ZeRO-2/3 hold no .grad between steps, so p.grad = None by hand zeroes nothing: the next
+    backward adds to the last step's gradients, as torch's would had nothing zeroed them, and
+    the engine warns, naming the calls that zero. No other habit warns."""
+    _, results = runs
+    for r in results:
+        for (habit, key), got in r["engines"].items():
+            warned = [w for w in got["warnings"] if "adds to the gradients the last step" in w]
+            if habit == "p.grad = None" and key in GRADS_SHARDED:
+                assert warned and "model.zero_grad()" in warned[0], key
+                assert warned[0].startswith({"zero2": "ZeRO2", "zero3": "ZeRO3",
+                                             "hsdp": "HSDP"}[key]), warned[0]
+            else:
+                assert not got["warnings"], (habit, key, got["warnings"])
 
 
 @pytest.mark.parametrize("habit", ["two_backward", "three_backward"])

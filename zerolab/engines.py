@@ -15,7 +15,8 @@ reference and to torch's DDP running the same loop):
 
 - zeroing through the model or the optimizer: `model.zero_grad()`, `engine.optimizer.
   zero_grad()` (set_to_none either way) are `engine.zero_grad()` (parts/habits.py); DDP and
-  ZeRO-1 also take back a `.grad` set to None by hand, as torch's DDP does;
+  ZeRO-1 also take back a `.grad` set to None by hand, as torch's DDP does (ZeRO-2/3 hold no
+  `.grad` to set: they warn when a backward adds to gradients a step() has used);
 - several backward passes before `step()` without `no_sync()`: each reduces its own gradients
   and step() takes their sum, as torch's DDP (no_sync() stays the way to save the traffic);
 - parameters readable after `step()`: ZeRO-1/2 wait for their gathers in step() unless built

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -182,9 +183,11 @@ def run_engine(key: str, habit: str, **kwargs) -> dict:
     if habit == "param_groups":
         kwargs["param_groups"] = groups_of(model)
     engine = make(key, model, habit, **kwargs)
-    with zerolab.record_comm(align=False) as log:
+    with zerolab.record_comm(align=False) as log, warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
         reads = loop(habit, model, engine, engine.optimizer, engine, rank, world_size)
     out = {"state": engine.full_state_dict(), "reads": reads,
+           "warnings": [str(w.message) for w in said],
            "tags": sorted({e.tag for e in log.events if "buffers" in e.tag}),
            "buffer_broadcasts": sum("buffers" in e.tag for e in log.events)}
     if habit == "batchnorm":
@@ -296,8 +299,6 @@ def habits() -> dict:
     for habit in HABITS:
         out["torch_ddp"][habit] = run_torch_ddp(habit)
         for key in ENGINES:
-            if habit == "p.grad = None" and key in ("zero2", "zero3", "hsdp"):
-                continue  # no full .grad between steps: nothing to set to None (habits.py)
             if habit == "read after step" and key in SHARDED_PARAMS:
                 continue  # ZeRO-3's parameters are shards: "state_dict after step" reads them
             out["engines"][habit, key] = run_engine(key, habit)

@@ -37,8 +37,10 @@ from zerolab.sharding import shard
 # bytes stay counted; `set_to_none` is accepted and means the same). A copy of the model
 # (copy.deepcopy) gets torch's own zero_grad back. What no method call reaches: `p.grad = None`
 # by hand. DDP and ZeRO-1 notice it, as torch's DDP does, when that parameter's next gradient
-# arrives (its `.grad` is no longer the view into the bucket: ddp.py, `_grad_arriving`);
-# ZeRO-2/3 hold no full `.grad` between steps, so there is nothing to set to None.
+# arrives (its `.grad` is no longer the view into the bucket: ddp.py, `_grad_arriving`).
+# ZeRO-2/3 hold no full `.grad` between steps, so there is nothing to set to None: the next
+# backward adds to the last step's gradients, as torch's would had nothing zeroed them, and the
+# engine warns that it does, naming the calls that zero (zero2.py, NOT_ZEROED).
 
 
 def route_zero_grad(engine: Any) -> None:
