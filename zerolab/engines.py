@@ -76,7 +76,13 @@ class Engine(Protocol):
 @runtime_checkable
 class ShardedEngine(Engine, Protocol):
     """An Engine that says which part of every parameter this rank holds: what a checkpoint
-    writes and loads (zerolab.checkpoint), at any world size. zerolab's engines keep it."""
+    writes and loads (zerolab.checkpoint), at any world size. zerolab's engines keep it.
+
+    Its sharded state dict, in torch.distributed.checkpoint's terms, is read from this layout
+    (zerolab.parts.state_dicts): `engine_state_dict(engine)` gives this rank's part, keyed as
+    the plain model's state_dict ("model") and FSDP2's get_optimizer_state_dict
+    ("optimizer"), each tensor as the rectangles of it this rank holds; and
+    `load_engine_state_dict(engine, full)` loads full tensors, each rank taking its part."""
 
     name: str  # first part of every comm tag: "zero2"
     rank: int  # this rank in `group`
