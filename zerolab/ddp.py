@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
-from zerolab.memory import StateTensors, model_state_bytes, optimizer_tensors
+from zerolab.memory import Settled, StateTensors, model_state_bytes, optimizer_tensors
 from zerolab.parts.arguments import check_engine_arguments
 from zerolab.parts.clipping import clip_grad_norm_
 from zerolab.parts.materialize import broadcast_from_rank0, materialize, where
@@ -96,6 +96,9 @@ class DDP:
                 p.register_post_accumulate_grad_hook(
                     functools.partial(self._grad_accumulated, bucket))
         self._hook_modules()
+        # The parameter objects are final now (materialize replaced a meta model's): listed
+        # as they are, without walking the module tree every time the memory tracker reads.
+        self._params = list(model.parameters())
 
     # ---- set-up: what each rank holds ---------------------------------------------------------
 
@@ -235,9 +238,10 @@ class DDP:
     def state_tensors(self) -> StateTensors:
         """What this rank holds now, by category. (fp32 masters are the parameters, counted
         once; with mixed precision they are fp32 copies: with Adam's m and v, K = 12.)"""
-        return {"params": list(self.module.parameters()),
+        return {"params": list(self._params),
                 "grads": [b.flat_grad for b in self.buckets],
-                "optimizer": optimizer_tensors(self.optimizer) + self.masters}
+                # Settled: changes only in optimizer.step(); the memory tracker reads it then
+                "optimizer": Settled(lambda: optimizer_tensors(self.optimizer) + self.masters)}
 
     def model_state_bytes(self) -> dict[str, int]:
         """This rank's bytes held now for params, grads and optimizer state (distinct storages)."""

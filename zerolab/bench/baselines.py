@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerolab.memory import StateTensors, model_state_bytes, optimizer_tensors
+from zerolab.memory import Settled, StateTensors, model_state_bytes, optimizer_tensors
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -59,7 +59,8 @@ class _TorchEngine:
         params = list(self.module.parameters())
         return {"params": [local(p) for p in params],
                 "grads": [local(p.grad) for p in params if p.grad is not None],
-                "optimizer": [local(t) for t in optimizer_tensors(self.local_optimizer)]}
+                "optimizer": Settled(lambda: [local(t) for t in
+                                              optimizer_tensors(self.local_optimizer)])}
 
     def model_state_bytes(self) -> dict[str, int]:
         return model_state_bytes(self.state_tensors())
@@ -143,7 +144,8 @@ class TorchFSDP2(_TorchEngine):
         gathered = [p for p in self.module.parameters() if not hasattr(p, "to_local")]
         return {"params": [local(p) for p in self.sharded] + gathered,
                 "grads": [local(p.grad) for p in self.sharded if p.grad is not None],
-                "optimizer": [local(t) for t in optimizer_tensors(self.optimizer)]}
+                "optimizer": Settled(lambda: [local(t) for t in
+                                              optimizer_tensors(self.optimizer)])}
 
     def shard_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """{name: (full shape, this rank's shard shape)}: FSDP2 shards each parameter on dim 0."""
