@@ -21,6 +21,7 @@ from zerolab import engines, theory
 from zerolab.comm import CommEvent, CommLog, Span
 from zerolab.lessons import n04_zero2, n05_zero3, n06_fsdp2, n07_scaling
 from zerolab.models import GPT, GPTConfig, num_params
+from zerolab.units import make_units
 
 N = 2
 GPT04 = GPTConfig(n_layer=2, n_embd=32, n_head=2)  # 3 buckets of 20 kB
@@ -46,6 +47,12 @@ def at2() -> list[dict]:
 
 def psi(config: GPTConfig) -> int:
     return num_params(GPT(config))
+
+
+def root_numel(config: GPTConfig, stage: str = "ZeRO-3") -> int:
+    """ZeRO-3's root unit (embeddings, final LayerNorm): kept gathered from forward to
+    backward, it is not gathered again (theory.comm_volume's root_numel); 0 for other stages."""
+    return sum(p.numel() for p in make_units(GPT(config))[-1].params) if stage == "ZeRO-3" else 0
 
 
 # ---- 04: ZeRO-2 ---------------------------------------------------------------------------------
@@ -208,18 +215,22 @@ def test_zero3_parameter_peaks_stay_within_shards_plus_units(at2):
 
 
 def test_zero3_gathers_twice_and_sends_3psi_against_zero2s_2psi(at2):
+    """3Ψ less the root's backward gather: the root stays gathered from forward to backward."""
     r05 = at2[0]["n05"]
     off = r05.no_prefetch
-    padded = off.padded_numel
+    padded, root = off.padded_numel, off.unit_bytes["root"] // 4
     one_pass = theory.ring_sent_bytes("all_gather", 4 * padded, N)
     assert n05_zero3.bytes_by_phase(off.step.log) == {
-        "fwd all_gather": one_pass, "bwd all_gather": one_pass, "bwd reduce_scatter": one_pass}
-    volume = {s: theory.comm_volume(padded, N, s).ring_sent_bytes for s in ("ZeRO-2", "ZeRO-3")}
-    assert off.step.log.total_ring_bytes() == volume["ZeRO-3"]
-    assert r05.zero2_log.total_ring_bytes() == volume["ZeRO-2"]
+        "fwd all_gather": one_pass,
+        "bwd all_gather": theory.ring_sent_bytes("all_gather", 4 * (padded - root), N),
+        "bwd reduce_scatter": one_pass}
+    assert off.step.log.total_ring_bytes() == theory.comm_volume(
+        padded, N, "ZeRO-3", root_numel=root).ring_sent_bytes
+    assert r05.zero2_log.total_ring_bytes() == theory.comm_volume(padded, N, "ZeRO-2"
+                                                                  ).ring_sent_bytes
     blocks = [f"blocks.{i}" for i in range(GPT05.n_layer)]
     assert n05_zero3.gathers_by_phase(off.step.log) == {
-        "fwd": ["root", *blocks], "bwd": ["root", *reversed(blocks)]}
+        "fwd": ["root", *blocks], "bwd": list(reversed(blocks))}
 
 
 def test_zero3_prefetch_issues_gathers_ahead_and_overlaps_compute(at2):
@@ -311,7 +322,9 @@ def test_collectives_counted_and_recorded(at2):
     assert variants["torch_fsdp2"].calls == {"all_gather": units + GPT06.n_layer,
                                              "reduce_scatter": units}
     for name in engines.STAGE_ENGINES:
-        expected = theory.comm_volume(psi(GPT06), N, STAGE_OF[name]).ring_sent_bytes
+        stage = STAGE_OF[name]
+        expected = theory.comm_volume(psi(GPT06), N, stage,
+                                      root_numel=root_numel(GPT06, stage)).ring_sent_bytes
         assert sum(variants[name].sent.values()) == expected, name
     shapes = variants["torch_fsdp2"].shapes
     assert shapes["wte.weight"] == ((GPT06.vocab_size, GPT06.n_embd),
@@ -353,7 +366,8 @@ def test_scaling_runs_match_the_formulas_at_each_world_size(at2):
                 held = sum(run.stages[stage].held.values())
                 formula = theory.model_state_memory(p, n, stage).total
                 assert 0 <= held - formula < 1e-3 * formula, (n, stage)
-                assert run.stages[stage].sent == theory.comm_volume(p, n, stage).ring_sent_bytes
+                assert run.stages[stage].sent == theory.comm_volume(
+                    p, n, stage, root_numel=root_numel(n07_scaling.MODEL, stage)).ring_sent_bytes
 
 
 # ---- helpers on hand-made logs (no ranks) -------------------------------------------------------

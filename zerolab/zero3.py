@@ -14,7 +14,9 @@ What changes from ZeRO-2 (zero2.py):
   unit's gradient is reduce-scattered and the unit is resharded.
 - No all-gather after the step: the next forward gathers what it needs.
 - Traffic per step: all-gather in forward (Ψ), again in backward (Ψ), reduce-scatter (Ψ): 3Ψ,
-  1.5x DDP's 2Ψ. That is the price of holding 1/N of the parameters.
+  1.5x DDP's 2Ψ. That is the price of holding 1/N of the parameters. The root (embeddings,
+  output head) is the exception: backward starts with it, so it stays gathered from forward
+  to backward, as FSDP2's root does: 3Ψ less the root's backward gather.
 - Prefetch (on by default): when a unit starts, the all-gather of the next unit (next in forward,
   previous in backward) is issued asynchronously, so communication overlaps compute.
 - One bucket per unit: ZeRO-3 reduces a unit's gradients when its backward is over, so
@@ -52,6 +54,7 @@ class ZeRO3(ZeRO2):
     # arguments. The subclass is found among ZeRO3's subclasses, so this file imports nothing
     # of ZeRO++.
     options: tuple[str, ...] = ()  # keyword arguments a subclass adds to ZeRO-3's
+    keeps_root = True  # the root stays gathered from forward to backward (FSDP2's does)
 
     def __new__(cls, *args, **kwargs):
         if cls is ZeRO3:
@@ -182,11 +185,20 @@ class ZeRO3(ZeRO2):
     def post_forward(self, unit: Unit, output) -> None:
         if unit.in_backward:  # a checkpoint's recompute: keep the unit for its backward
             return
-        for u in self.units if unit is self.root else [unit]:  # root: the forward is over
+        for u in self._freed_after_forward(unit, output):
             self.reshard(u)
         for t in tensors_in(output):
             if t.requires_grad:  # fires when the gradient w.r.t. this output is ready
                 t.register_hook(lambda grad, u=unit: self.pre_backward(u))
+
+    def _freed_after_forward(self, unit: Unit, output) -> list[Unit]:
+        """The unit; after the root's forward (the model's), every unit, but the root stays
+        gathered when a backward follows (an output needs a gradient): backward starts with
+        it (the output head), so, as FSDP2 does with its root, it is not gathered again."""
+        if unit is not self.root:
+            return [unit]
+        keep = self.keeps_root and any(t.requires_grad for t in tensors_in(output))
+        return [u for u in self.units if not (keep and u is self.root)]
 
     def pre_backward(self, unit: Unit) -> None:
         unit.in_backward = True

@@ -32,13 +32,16 @@ Method, so that every figure can be checked:
 - The floor. In the same rotation, every round also times the same model's forward and backward
   alone, with no engine: no collective, no optimizer step. No engine can be faster; a time
   target that asks for less than it, as a share of the counterpart's step, is out of reach.
-- Memory and traffic. A separate pass runs two more steps of each engine: one under the comm
-  recorder only, one under `zerolab.track_memory` as well, with a `categorize` for every
-  engine: the engines' `state_tensors()`, and for torch's the module's parameters, gradients
-  and optimizer state. Peak = the largest total of live tensor bytes in the step, by category.
-  Model-state bytes are read after the optimizer step, before zero_grad, from the live tensors,
-  and set against the formulas of zerolab.theory. The two steps' times against a plain step's
-  are what measuring costs (the tracker inspects every op).
+- Overhead. An engine's overhead in a round is its step's time minus the floor's in that
+  round: what the engine adds to the compute (collectives, optimizer step, copies, hooks). The
+  targets are on the median of the per-round ratios of a stage's overhead to its counterpart's.
+- Memory and traffic. A separate pass runs rounds of three more steps of each engine: a plain
+  one, one under the comm recorder only, one under `zerolab.track_memory` as well, with a
+  `categorize` for every engine: the engines' `state_tensors()`, and for torch's the module's
+  parameters, gradients and optimizer state. Peak = the largest total of live tensor bytes in
+  the step, by category. Model-state bytes are read after the optimizer step, before
+  zero_grad, from the live tensors, and set against the formulas of zerolab.theory. The
+  measured steps' times against the plain one's of the same round are what measuring costs.
 - Bytes sent per rank per step: zerolab's from `record_comm`. torch's collectives do not go
   through zerolab.comm, so a dispatch mode (`torch_comm.CollectiveCounter`) sees each c10d
   collective torch issues (DDP's bucket all-reduces, ZeroRedundancyOptimizer's broadcasts,
@@ -74,6 +77,7 @@ from zerolab.bench.profile import format_profiles, run_profile
 from zerolab.bench.report import format_table, plot, summarize
 from zerolab.launcher.progress import Progress, ProgressBar, follow_progress
 from zerolab.models import GPT, num_params
+from zerolab.units import make_units
 from zerolab.wire.torch_counter import CollectiveCounter
 
 T = TypeVar("T")
@@ -91,7 +95,8 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
     engines = {k: make_engine(k, config, ctx.device) for k in keys}
     model = engines[reference].module
     rounds = config.warmup + config.steps
-    total = rounds * len(keys) + (2 * len(keys) if config.measure else 0) + 1
+    measuring = 3 * config.measure_rounds if config.measure else 0  # steps per engine
+    total = rounds * len(keys) + measuring * len(keys) + 1
     done = 0
 
     def report(label: str) -> None:
@@ -124,17 +129,22 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
             cpu_times[key].append(cpu)
             report(f"{'warm-up' if r < config.warmup else 'step'} {r + 1}/{rounds} {key}")
 
-    # 2. Memory and traffic: two more steps of each, measured: the comm recorder alone, then
-    # with the memory tracker as well (what measuring memory costs: their times' ratio).
+    # 2. Memory and traffic, and what measuring costs: rounds of three more steps of each, a
+    # plain one, one under the comm recorder, one under the memory tracker as well; each
+    # measured step's time against the plain one just before it (seconds apart: the same load).
     measured: dict[str, dict[str, Any]] = {}
-    if config.measure:
-        for key in keys:
-            recorded_s, _, _ = timed(ctx.device, harness.measured_step, engines[key],
-                                     *batch(rounds), memory=False)
+    for key in keys if config.measure else ():
+        costs: dict[str, list[float]] = {"plain_s": [], "recorded_s": [], "tracked_s": []}
+        for i in range(rounds, rounds + 3 * config.measure_rounds, 3):
+            costs["plain_s"].append(timed(ctx.device, harness.train_step, engines[key],
+                                          *batch(i))[0])
+            costs["recorded_s"].append(timed(ctx.device, harness.measured_step, engines[key],
+                                             *batch(i + 1), memory=False)[0])
             report(f"traffic {key}")
-            tracked_s, _, m = timed(ctx.device, measure_step, engines[key], *batch(rounds + 1))
-            measured[key] = {**m, "recorded_step_s": recorded_s, "tracked_step_s": tracked_s}
+            tracked_s, _, m = timed(ctx.device, measure_step, engines[key], *batch(i + 2))
+            costs["tracked_s"].append(tracked_s)
             report(f"memory {key}")
+        measured[key] = {**m, **costs}
 
     # 3. Correctness: full parameters against the reference's.
     expected = engines[reference].full_state_dict()
@@ -144,6 +154,8 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
             "page_faults": page_faults, "measured": measured,
             "max_abs_diff": diffs, "reference": reference,
             "params": num_params(model) if ctx.rank == 0 else None,
+            # ZeRO-3's and FSDP2's root unit, kept gathered from forward to backward
+            "root_params": sum(p.numel() for p in make_units(floor)[-1].params),
             "backend": ctx.backend, "device": str(ctx.device),
             "threads": torch.get_num_threads()}
 
