@@ -133,3 +133,10 @@ def bench_batch(config: BenchConfig, model: GPT, round_index: int, rank: int,
     rows = harness.local_batch(model.make_batch, config.global_batch,
                                config.seed * 100_003 + round_index, rank, config.world_size)
     return tuple(t[:, :config.tokens].to(device) for t in rows)
+
+
+def forward_backward(model: GPT, x: torch.Tensor, y: torch.Tensor) -> None:
+    """What every engine computes in a step, and nothing else (the floor): forward and backward
+    on this rank's batch, with no collective and no optimizer step. No engine can be faster."""
+    model.loss(model(x), y).backward()
+    model.zero_grad(set_to_none=False)  # as the engines do: the next backward adds into zeros

@@ -10,6 +10,11 @@ not in operators it called) and how often each ran. Two engines that run the sam
 as often, for the same time, do the same work; a time that differs with the same count moved
 with the machine (the other rank's threads, gloo's), not with the code.
 
+The floor (the same model's forward and backward alone, the bench's) is profiled the same way,
+and each engine's operators are also listed by their time *above* it: an operator's self time
+in the engine's step minus its self time in the floor's. That is the engine's overhead, op by
+op: what its collectives, optimizer step, copies and hooks cost.
+
 The profiler times operators, not the wait for a collective that another thread runs: on a
 machine whose cores are all busy (the bench's "cores busy" line), the operators' times grow
 with the communication that overlaps them.
@@ -17,13 +22,15 @@ with the communication that overlaps them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from torch.profiler import ProfilerActivity, profile
 
 import zerolab
 from zerolab import harness
-from zerolab.bench.config import BenchConfig, bench_batch, make_engine
+from zerolab.bench.config import BenchConfig, bench_batch, forward_backward, make_engine
+from zerolab.models import GPT
 
 
 @dataclass(frozen=True)
@@ -40,26 +47,45 @@ class StepProfile:
     ops: list[OpTime]  # largest self time first
 
 
+FLOOR = "floor"  # the profile of forward and backward alone (config.forward_backward)
+
+
 def profile_worker(config: BenchConfig, keys: tuple[str, ...]) -> list[StepProfile]:
-    """On each rank: profile `config.steps` steps of every engine in `keys`, one at a time."""
+    """On each rank: profile `config.steps` steps of every engine in `keys`, one at a time,
+    and of the floor (forward and backward alone), last."""
     ctx = zerolab.init_from_env()
     profiles = []
-    for key in keys:
-        engine = make_engine(key, config, ctx.device)
-        batches = [bench_batch(config, engine.module, i, ctx.rank, ctx.device)
+    for key in (*keys, FLOOR):
+        if key == FLOOR:
+            model = GPT(config.gpt_config()).to(ctx.device)
+            step = functools.partial(forward_backward, model)
+        else:
+            engine = make_engine(key, config, ctx.device)
+            model, step = engine.module, functools.partial(harness.train_step, engine)
+        batches = [bench_batch(config, model, i, ctx.rank, ctx.device)
                    for i in range(config.warmup + config.steps)]
         for x, y in batches[:config.warmup]:
-            harness.train_step(engine, x, y)
+            step(x, y)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for x, y in batches[config.warmup:]:
-                harness.train_step(engine, x, y)
+                step(x, y)
         events = prof.key_averages()
         ops = sorted((OpTime(e.key, e.count / config.steps,
                              e.self_cpu_time_total / config.steps / 1e3) for e in events),
                      key=lambda op: -op.self_ms)
         profiles.append(StepProfile(key, sum(op.self_ms for op in ops), ops))
-        del engine
+        del model, step
     return profiles
+
+
+def above_floor(p: StepProfile, floor: StepProfile) -> list[OpTime]:
+    """p's operators by their time above the floor's (the same operator's in forward and
+    backward alone): calls and self ms per step more than the floor's, largest first."""
+    base = {op.name: op for op in floor.ops}
+    zero = OpTime("", 0.0, 0.0)
+    ops = [OpTime(op.name, op.calls - base.get(op.name, zero).calls,
+                  op.self_ms - base.get(op.name, zero).self_ms) for op in p.ops]
+    return sorted(ops, key=lambda op: -op.self_ms)
 
 
 def run_profile(config: BenchConfig) -> list[StepProfile]:
@@ -71,9 +97,15 @@ def run_profile(config: BenchConfig) -> list[StepProfile]:
 
 
 def format_profiles(profiles: list[StepProfile], top: int = 12) -> str:
-    """One block per engine: its `top` operators by self time per step."""
-    out = []
+    """One block per engine: its `top` operators by self time per step, then by their time
+    above the floor's (the last profile)."""
+    out, floor = [], profiles[-1]
     for p in profiles:
         out.append(f"{p.key}: {p.self_ms:.1f} ms of operator self time per step on rank 0")
         out += [f"  {op.self_ms:8.1f} ms  {op.calls:6.1f}x  {op.name}" for op in p.ops[:top]]
+        if p is not floor:
+            out.append(f"  above the floor: {p.self_ms - floor.self_ms:.1f} ms per step, "
+                       f"largest first")
+            out += [f"  {op.self_ms:8.1f} ms  {op.calls:+6.1f}x  {op.name}"
+                    for op in above_floor(p, floor)[:top]]
     return "\n".join(out)

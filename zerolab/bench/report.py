@@ -31,14 +31,15 @@ def summarize(config: BenchConfig, results: list[list[dict[str, Any]]],
               load: tuple[list[float], list[float]], command: str) -> dict[str, Any]:
     """Combine the ranks' results of every launch (one side by side, or one per pair)."""
     psi, root = results[0][0]["params"], results[0][0]["root_params"]
-    rows, targets, floors = [], [], []
+    rows, targets, floors, floor_rounds = [], [], [], []
     timed = range(config.warmup, config.warmup + config.steps)
     for group, per_rank in enumerate(results):
-        # forward + backward alone, the slowest rank per round (bench.forward_backward)
+        # forward + backward alone, the slowest rank per round (config.forward_backward)
         floor_times = [max(res["floor_times"][i] for res in per_rank) for i in timed]
         group_rows = {key: _row(config, key, per_rank, group, psi, root, floor_times)
                       for key in per_rank[0]["times"]}
         floors.append(statistics.median(floor_times))
+        floor_rounds.append(floor_times)
         targets += _targets(config, group_rows, floors[-1])
         rows += group_rows.values()
     first = results[0][0]
@@ -87,6 +88,7 @@ def summarize(config: BenchConfig, results: list[list[dict[str, Any]]],
         },
         "engines": rows,
         "floor_step_s": floors,  # per launch: forward + backward alone, median over the rounds
+        "floor_times_s": floor_rounds,  # per launch, per timed round (the slowest rank's)
         "targets": targets,
     }
 

@@ -72,7 +72,15 @@ import torch.distributed as dist
 
 import zerolab
 from zerolab import harness
-from zerolab.bench.config import BENCHED, GPT2, QUICK, BenchConfig, bench_batch, make_engine
+from zerolab.bench.config import (
+    BENCHED,
+    GPT2,
+    QUICK,
+    BenchConfig,
+    bench_batch,
+    forward_backward,
+    make_engine,
+)
 from zerolab.bench.profile import format_profiles, run_profile
 from zerolab.bench.report import format_table, plot, summarize
 from zerolab.launcher.progress import Progress, ProgressBar, follow_progress
@@ -161,13 +169,6 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
 
 
 FLOOR = "floor"  # in the timing rotation: forward and backward alone
-
-
-def forward_backward(model: GPT, x: torch.Tensor, y: torch.Tensor) -> None:
-    """What every engine computes in a step, and nothing else: forward and backward on this
-    rank's batch, with no collective and no optimizer step. No engine can be faster."""
-    model.loss(model(x), y).backward()
-    model.zero_grad(set_to_none=False)  # as the engines do: the next backward adds into zeros
 
 
 def minor_page_faults() -> int:
