@@ -241,7 +241,7 @@ def test_the_floor_is_timed_in_every_launch_and_under_every_step(quick, quick_pa
         for t in report["targets"]:
             if "paired_ratio" in t:
                 counterpart = next(r for r in report["engines"]
-                                   if t["what"].endswith(r["label"]))
+                                   if t["what"].endswith(f"{r['label']}'s"))
                 assert t["floor_ratio"] == pytest.approx(floor / counterpart["median_step_s"])
 
 
@@ -375,7 +375,7 @@ def test_config_is_checked():
 def test_profile_lists_each_engines_operators_by_self_time():
     """--profile: per engine, rank 0's operators per step, largest first, summing to the
     total; the same model's forward and backward run the same matrix products in zerolab's DDP
-    and torch's, and DDP's all-reduces show (one per bucket)."""
+    and torch's, and DDP's all-reduces show (one per bucket), above the floor's operators."""
     proc = subprocess.run([sys.executable, "-m", "zerolab.bench", "--profile", "--quick",
                            "--engines", "ddp,torch_ddp"], capture_output=True, text=True,
                           env=subprocess_env(), cwd=REPO, timeout=600)
@@ -392,3 +392,12 @@ def test_profile_lists_each_engines_operators_by_self_time():
     calls = {key: {op.name: op.calls for op in p.ops} for key, p in profiles.items()}
     assert calls["ddp"]["aten::mm"] == calls["torch_ddp"]["aten::mm"] > 0
     assert calls["ddp"]["c10d::allreduce_"] >= 1
+    # The floor, profiled in alternation with each engine: the same products, no collective;
+    # above it, only what the engine runs more often (its all-reduce, its optimizer step).
+    assert proc.stdout.count("above the floor (forward and backward alone") == 2
+    for key, p in profiles.items():
+        floor = {op.name: op.calls for op in p.floor.ops}
+        assert floor["aten::mm"] == calls[key]["aten::mm"] and "c10d::allreduce_" not in floor
+        extra, _ = bench_profile.above_floor(p)
+        assert all(op.calls > 0 for op in extra)
+        assert {"c10d::allreduce_", "aten::addcdiv_"} <= {op.name for op in extra}, key

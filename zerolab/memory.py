@@ -127,12 +127,10 @@ class Settled:
 
         state["optimizer"] = Settled(lambda: optimizer_tensors(optimizer))
 
-    Iterating it lists the tensors as they are now, as a list would (model_state_bytes, the
-    grader). track_memory reads it at entry, once every optimizer step is over, and at exit,
-    not after every op: with the optimizer tiles (parts/tiles.py) an optimizer holds hundreds
-    of tensors, and reading them all after every op made a tracked step cost up to 12 plain
-    ones. Its storages must not be resized in place (their sizes are read at those times only).
-    """
+    Iterated, it lists them as they are now, as a list would. track_memory reads it at entry,
+    when an optimizer step is over, and at exit, not after every op: with the tiles
+    (parts/tiles.py) an optimizer holds hundreds of tensors, and reading them after every op
+    made a tracked step cost up to 12 plain ones. Its storages must not be resized in place."""
 
     __slots__ = ("read",)
 
@@ -168,15 +166,11 @@ class MemoryTrace:
             self.max_by_category[c] = max(self.max_by_category.get(c, 0), b)
 
     def _recount(self) -> None:
-        """The peak's breakdown and each category's maximum again, after samples were relabelled
-        (the totals, and so the peak, do not change)."""
-        self.max_by_category = {}
-        peak_seen = False
-        for _, by_category in self.samples:
-            if not peak_seen and sum(by_category.values()) == self.peak_bytes:
-                self.peak_by_category, peak_seen = dict(by_category), True
-            for c, b in by_category.items():
-                self.max_by_category[c] = max(self.max_by_category.get(c, 0), b)
+        """The peak and the maxima again, from samples that were relabelled."""
+        samples, self.peak_bytes, self.max_by_category = list(self.samples), 0, {}
+        self.samples.clear()
+        for t, by_category in samples:
+            self._add(t, by_category)
 
 
 class _Held:
@@ -238,40 +232,34 @@ class SavedForBackward:
 
 
 class _Storage:
-    """One live storage in the tracker's ledger."""
+    """One live storage in the tracker's ledger: a weak reference, bytes and category as last
+    read, and for one made inside an optimizer step the first sample after it."""
 
     __slots__ = ("ref", "nbytes", "category", "born")
 
     def __init__(self, ref: weakref.ref, nbytes: int):
-        self.ref = ref  # the storage (weak: the tracker must not keep it alive)
-        self.nbytes = nbytes  # as last read
-        self.category = "other"  # as last decided
-        self.born: int | None = None  # made inside an optimizer step: the samples since then
+        self.ref, self.nbytes, self.category, self.born = ref, nbytes, "other", None
 
 
 class _Tracker(TorchDispatchMode):
     """Sees every op's outputs; a finalizer on each new storage tells when it is freed."""
 
     # Note: a ledger, not a census. The tracker keeps every live storage with its bytes and
-    # category, and running totals by category; after an op it looks only at what can have
-    # changed: the op's outputs (new storages), the storages freed since (their finalizers
-    # have taken them off already), the tensors `categorize` lists now, and the sizes of the
-    # storages that may have been resized in place (ZeRO-3 frees and regathers a unit that
-    # way) -- every live storage but a Settled category's. A Settled category (an optimizer's
-    # state: hundreds of tensors with the tiles) is read only when it can have changed: at
-    # entry, when an optimizer step is over (torch's global optimizer hooks), and at exit.
-    # Inside optimizer.step() no category is read at all: optimizers create their state there,
-    # and store it the moment it is made, so when the step is over, what it created and kept
-    # is given its category from the op after the one that made it, as reading after every op
-    # would have (earlier samples are relabelled). So the work after an op does not grow with
-    # the number of tensors an optimizer holds, and the figures are those of reading
-    # everything after every op.
+    # category, and totals by category; after an op it looks only at what can have changed:
+    # the op's outputs, the storages freed since (their finalizers took them off), what
+    # `categorize` lists now, and the sizes of storages that may have been resized in place
+    # (how ZeRO-3 frees a unit): every live storage but a Settled category's. A Settled one
+    # (an optimizer's state) is read at entry, when an optimizer step is over (torch's global
+    # optimizer hooks) and at exit. Inside optimizer.step() nothing is read: optimizers store
+    # what they create there at once, so when the step is over what it made and kept gets its
+    # category from the op after the one that made it (the samples since are relabelled), as
+    # reading everything after every op would have given. So the work after an op does not
+    # grow with the optimizer's tensors, and the figures are the same.
 
     def __init__(self, categorize: Callable[[], StateTensors] | None, trace: MemoryTrace,
                  activations: bool):
         super().__init__()
-        self.categorize = categorize or dict
-        self.trace = trace
+        self.categorize, self.trace = categorize or dict, trace
         self.live: dict[int, _Storage] = {}  # id(storage) -> entry (polled for its size)
         self.fixed: dict[int, _Storage] = {}  # entries of Settled categories (not polled)
         self.finalizers: dict[int, weakref.finalize] = {}
@@ -280,11 +268,10 @@ class _Tracker(TorchDispatchMode):
         self.held: dict[int, int] = {}  # storages autograd holds for backward: how many saves
         self.names = [*CATEGORIES, *([ACTIVATIONS] if activations else []), "other"]
         self.totals = dict.fromkeys(self.names, 0)
-        self.in_step = 0  # inside optimizer.step(): nothing is read
+        self.in_step, self.closed = 0, False  # inside optimizer.step(): nothing is read
         self.read_all = True  # a step is over: read the Settled categories too
         self.born: list[int] = []  # storages made inside steps, not yet given a category
         self.step_start: int | None = None  # the first sample taken inside those steps
-        self.closed = False
         self.t0 = trace.t0 = time.perf_counter()
 
     # ---- the ledger --------------------------------------------------------------------------
@@ -322,13 +309,10 @@ class _Tracker(TorchDispatchMode):
         entry = self.live.get(key) or self.fixed.get(key)
         if entry is None:
             return
-        listed, settled = self.listed.get(key), self.settled.get(key)
-        if listed and settled:
-            category = min(listed, settled)[1]
-        elif listed or settled:
-            category = (listed or settled)[1]
-        else:
-            category = ACTIVATIONS if self.held.get(key) else "other"
+        settled = self.settled.get(key)
+        listings = [c for c in (self.listed.get(key), settled) if c]  # (position, name)
+        category = min(listings)[1] if listings else (
+            ACTIVATIONS if self.held.get(key) else "other")
         if category != entry.category:
             self.totals[entry.category] -= entry.nbytes
             self.totals[category] += entry.nbytes
@@ -355,27 +339,18 @@ class _Tracker(TorchDispatchMode):
         """Read the categories now (the Settled ones too if `everything`), and the sizes; how
         many tensors and storages that looked at."""
         categories = dict(self.categorize())
-        for name in categories:
-            if name not in self.totals:  # after the model states, before activations/other
-                self.names.insert(len(self.names) - (2 if ACTIVATIONS in self.names else 1),
-                                  name)
-                self.totals = {n: self.totals.get(n, 0) for n in self.names}
-        listed: dict[int, tuple[int, str]] = {}
-        settled: dict[int, tuple[int, str]] = {}
-        live, fixed, visits = self.live, self.fixed, 0
+        for name in (n for n in categories if n not in self.totals):  # before activations/other
+            self.names.insert(len(self.names) - 1 - (ACTIVATIONS in self.names), name)
+            self.totals = {n: self.totals.get(n, 0) for n in self.names}
+        listed, settled, visits = {}, {}, 0  # storage -> (position, category) of its first
         for position, (name, tensors) in enumerate(categories.items()):
             if isinstance(tensors, Settled) and not everything:
                 continue
             into, tag = settled if isinstance(tensors, Settled) else listed, (position, name)
             for t in tensors:
                 visits += 1
-                if t.is_meta:  # meta tensors report a size but hold no memory
-                    continue
-                storage = t.untyped_storage()
-                key = id(storage)
-                if key not in live and key not in fixed:  # made outside dispatch (autograd)
-                    self._new(storage, key)
-                if key not in into:  # a storage listed twice counts in the first category
+                key = self.watch(t)  # (one made outside dispatch, by autograd: taken in now)
+                if key is not None and key not in into:
                     into[key] = tag
         # Only the storages whose listing changed since the last read can change category.
         changed = {key for key, _ in self.listed.items() ^ listed.items()}
@@ -393,30 +368,23 @@ class _Tracker(TorchDispatchMode):
         return visits
 
     def _relabel(self) -> None:
-        """Storages made inside the optimizer step just over, and kept as state: theirs from
-        the op after the one that made them (the samples since show them as "other")."""
-        moved = False
+        """Storages made inside the optimizer step just over and kept as state: theirs from the
+        op after the one that made them. Then, of the samples taken after every op inside the
+        step, only those the totals changed at."""
         for key in self.born:
             entry = self.live.get(key) or self.fixed.get(key)
-            if entry is None or entry.born is None or entry.category == "other":
-                continue
-            for _, by_category in self.trace.samples[entry.born:]:
-                by_category["other"] -= entry.nbytes
-                by_category[entry.category] = by_category.get(entry.category, 0) + entry.nbytes
-            moved = True
-        for key in self.born:
-            if (entry := self.live.get(key) or self.fixed.get(key)) is not None:
-                entry.born = None
+            if entry is not None and entry.born is not None and entry.category != "other":
+                for _, by_category in self.trace.samples[entry.born:]:
+                    by_category["other"] -= entry.nbytes
+                    by_category[entry.category] = by_category.get(entry.category, 0) + entry.nbytes
         self.born = []
-        if self.step_start is None:
-            return
-        # Inside the step a sample was taken after every op; keep those the totals changed at.
-        samples, kept = self.trace.samples, self.trace.samples[:self.step_start]
-        for sample in samples[self.step_start:]:
-            if not kept or kept[-1][1] != sample[1]:
-                kept.append(sample)
-        samples[:], self.step_start = kept, None
-        if moved:
+        if self.step_start is not None:
+            samples = self.trace.samples
+            kept = samples[:self.step_start]
+            for sample in samples[self.step_start:]:
+                if not kept or kept[-1][1] != sample[1]:
+                    kept.append(sample)
+            samples[:], self.step_start = kept, None
             self.trace._recount()
 
     # ---- events --------------------------------------------------------------------------------
@@ -433,12 +401,10 @@ class _Tracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        reading_all, new = self.read_all, len(self.born)
-        visits = 0
-        for t in tensors_in(out):
-            for inner in _inner_tensors(t):
-                visits += 1
-                self.watch(inner)
+        reading_all, new, visits = self.read_all, len(self.born), 0
+        for inner in (i for t in tensors_in(out) for i in _inner_tensors(t)):
+            visits += 1
+            self.watch(inner)
         visits += self.sample()  # after every op: allocations, frees and resizes since the last
         for key in self.born[new:]:  # made inside a step: the samples after this op
             if (entry := self.live.get(key)) is not None:
@@ -468,7 +434,7 @@ class _Tracker(TorchDispatchMode):
         return key
 
     def released(self, key: int | None) -> None:
-        if self.closed or key is None or key not in self.held:
+        if self.closed or key not in self.held:
             return
         self.held[key] -= 1
         if not self.held[key]:
@@ -481,9 +447,7 @@ class _Tracker(TorchDispatchMode):
         self.closed = True
         for fin in self.finalizers.values():
             fin.detach()
-        self.finalizers.clear()
-        self.live.clear()
-        self.fixed.clear()
+        self.finalizers, self.live, self.fixed = {}, {}, {}
 
 
 def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -492,9 +456,8 @@ def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
     if not is_traceable_wrapper_subclass(t):
         yield t
         return
-    names, _ = t.__tensor_flatten__()
-    for name in names:
-        if isinstance(inner := getattr(t, name), torch.Tensor):  # (DTensor lists its mesh too)
+    for name in t.__tensor_flatten__()[0]:  # (a DTensor lists its device mesh too)
+        if isinstance(inner := getattr(t, name), torch.Tensor):
             yield from _inner_tensors(inner)
 
 
@@ -513,7 +476,6 @@ class track_memory:  # noqa: N801 (used like a function: `with track_memory(...)
         self._tracker = _Tracker(categorize, self.trace, activations)
         self._saved = (SavedForBackward(self._tracker.saved, self._tracker.released)
                        if activations else None)
-        self._hooks: list = []
 
     def __enter__(self) -> MemoryTrace:
         if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -146,6 +146,7 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
         for i in range(rounds, rounds + 3 * config.measure_rounds, 3):
             costs["plain_s"].append(timed(ctx.device, harness.train_step, engines[key],
                                           *batch(i))[0])
+            report(f"plain {key}")
             costs["recorded_s"].append(timed(ctx.device, harness.measured_step, engines[key],
                                              *batch(i + 1), memory=False)[0])
             report(f"traffic {key}")
