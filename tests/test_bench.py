@@ -75,7 +75,8 @@ def test_table_lists_all_seven_engines(quick):
         assert label in table
     for key in bench_config.OVERHEAD_TARGETS:
         assert f"target {bench_config.label(key)} overhead" in table
-        assert f"whole steps, for comparison: {bench_config.label(key)} " in table
+        assert (f"  {bench_config.label(key)}, for comparison: its overhead in CPU seconds "
+                f"(every rank's), ") in table
 
 
 def test_timings_and_measurements_are_complete(quick):
@@ -222,6 +223,9 @@ def test_targets_are_overheads_above_the_floor_of_the_same_round(quick, quick_pa
             assert t["limit"] == bench_config.OVERHEAD_TARGETS[stage["key"]]
             assert t["step_ratio"] == pytest.approx(statistics.median(
                 a / b for a, b in zip(stage["step_times_s"], counterpart["step_times_s"])))
+            assert t["cpu_ratio"] == pytest.approx(statistics.median(
+                bench_report._over(a, b)
+                for a, b in zip(stage["cpu_overheads_s"], counterpart["cpu_overheads_s"])))
 
 
 def test_a_round_whose_counterpart_took_no_longer_than_the_floor_counts_against_the_stage():

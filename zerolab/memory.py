@@ -402,7 +402,7 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         reading_all, new, visits = self.read_all, len(self.born), 0
-        for inner in (i for t in tensors_in(out) for i in _inner_tensors(t)):
+        for inner in (i for t in tensors_in(out) for i in inner_tensors(t)):
             visits += 1
             self.watch(inner)
         visits += self.sample()  # after every op: allocations, frees and resizes since the last
@@ -450,7 +450,7 @@ class _Tracker(TorchDispatchMode):
         self.finalizers, self.live, self.fixed = {}, {}, {}
 
 
-def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
+def inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
     """t, or the tensors a tensor subclass wraps (a DTensor's local shard): the ops inside a
     subclass's own dispatch, which make those, run below this mode and are not seen by it."""
     if not is_traceable_wrapper_subclass(t):
@@ -458,7 +458,7 @@ def _inner_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
         return
     for name in t.__tensor_flatten__()[0]:  # (a DTensor lists its device mesh too)
         if isinstance(inner := getattr(t, name), torch.Tensor):
-            yield from _inner_tensors(inner)
+            yield from inner_tensors(inner)
 
 
 class track_memory:  # noqa: N801 (used like a function: `with track_memory(...) as trace`)

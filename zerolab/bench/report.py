@@ -36,7 +36,8 @@ def summarize(config: BenchConfig, results: list[list[dict[str, Any]]],
     for group, per_rank in enumerate(results):
         # forward + backward alone, the slowest rank per round (config.forward_backward)
         floor_times = [max(res["floor_times"][i] for res in per_rank) for i in timed]
-        group_rows = {key: _row(config, key, per_rank, group, psi, root, floor_times)
+        floor_cpu = [sum(res["floor_cpu_times"][i] for res in per_rank) for i in timed]
+        group_rows = {key: _row(config, key, per_rank, group, psi, root, floor_times, floor_cpu)
                       for key in per_rank[0]["times"]}
         floors.append(statistics.median(floor_times))
         floor_rounds.append(floor_times)
@@ -94,18 +95,23 @@ def summarize(config: BenchConfig, results: list[list[dict[str, Any]]],
 
 
 def _row(config: BenchConfig, key: str, per_rank: list[dict[str, Any]], group: int,
-         psi: int, root: int, floor_times: list[float]) -> dict[str, Any]:
+         psi: int, root: int, floor_times: list[float], floor_cpu: list[float]
+         ) -> dict[str, Any]:
     """One engine of one launch: its step times (slowest rank per round), overheads above the
-    floor of the same round, and measurements."""
+    floor of the same round (and in CPU seconds, every rank's), and measurements."""
     timed = range(config.warmup, config.warmup + config.steps)
     step_times = [max(res["times"][key][i] for res in per_rank) for i in timed]
     overheads = [t - f for t, f in zip(step_times, floor_times)]
+    cpu = [sum(res["cpu_times"][key][i] for res in per_rank) - f for i, f in zip(timed, floor_cpu)]
     diff = max(res["max_abs_diff"][key] for res in per_rank)
     row: dict[str, Any] = {
         "key": key, "label": label(key), "counterpart": COUNTERPARTS.get(key),
         "group": group, "reference": per_rank[0]["reference"],
         "step_times_s": step_times, "median_step_s": statistics.median(step_times),
         "overheads_s": overheads, "median_overhead_s": statistics.median(overheads),
+        # The same in CPU seconds, every rank's (gloo's threads included): what the engine's
+        # work adds, less moved than wall time by other jobs on the machine (no waiting in it).
+        "cpu_overheads_s": cpu, "median_cpu_overhead_s": statistics.median(cpu),
         # CPU seconds per step of each rank's process (compute and gloo's threads): less
         # sensitive than wall time to other jobs on the machine.
         "median_cpu_s_per_rank": [statistics.median(res["cpu_times"][key][i] for i in timed)
@@ -169,7 +175,9 @@ def _targets(config: BenchConfig, rows: dict[str, dict[str, Any]],
             # slows both; the median of their per-round ratios cancels that.
             ratios = [_over(a, b) for a, b in zip(mine["overheads_s"], theirs["overheads_s"])]
             steps = [a / b for a, b in zip(mine["step_times_s"], theirs["step_times_s"])]
+            cpus = [_over(a, b) for a, b in zip(mine["cpu_overheads_s"], theirs["cpu_overheads_s"])]
             interval, step_interval = median_interval(ratios), median_interval(steps)
+            cpu_interval = median_interval(cpus)
             mine.update(overhead_ratio_to_counterpart=statistics.median(ratios),
                         paired_ratio_to_counterpart=statistics.median(steps),
                         ratio_to_counterpart=mine["median_step_s"] / theirs["median_step_s"])
@@ -182,6 +190,8 @@ def _targets(config: BenchConfig, rows: dict[str, dict[str, Any]],
                 "interval_confidence": interval and interval[2],
                 "step_ratio": mine["paired_ratio_to_counterpart"],
                 "step_interval": step_interval and step_interval[:2],
+                "cpu_ratio": statistics.median(cpus), "cpu_interval": cpu_interval and
+                cpu_interval[:2],
                 "floor_ratio": floor / theirs["median_step_s"]})
     for key, limit in MEMORY_TARGETS.items():
         other = COUNTERPARTS[key]
@@ -288,10 +298,12 @@ def format_table(report: dict[str, Any]) -> str:
                        f"medians {t['ratio']:.3f}) <= {t['limit']:.2f}: {verdict(t)}")
         else:
             out.append(f"target {t['what']}: {t['ratio']:.2f} <= {t['limit']:.2f}: {verdict(t)}")
-    out += [f"  whole steps, for comparison: {t['what'].split(' overhead')[0]} "
-            f"{t['step_ratio']:.3f} of the counterpart's step"
-            f"{_sure(t['step_interval'], t['interval_confidence'])} (the floor alone: "
-            f"{t['floor_ratio']:.3f} of it)" for t in report["targets"] if "step_ratio" in t]
+    for t in (t for t in report["targets"] if "step_ratio" in t):
+        out.append(f"  {t['what'].split(' overhead')[0]}, for comparison: its overhead in CPU "
+                   f"seconds (every rank's), {t['cpu_ratio']:.3f} of the counterpart's"
+                   f"{_sure(t['cpu_interval'], t['interval_confidence'])}; whole steps, "
+                   f"{t['step_ratio']:.3f}{_sure(t['step_interval'], t['interval_confidence'])} "
+                   f"(the floor alone: {t['floor_ratio']:.3f} of the counterpart's step)")
     if measured and any(None not in r["device_peak_bytes_per_rank"] for r in rows):
         out.append(f"CUDA allocator's peak (max_memory_allocated) {unit}/rank, against the "
                    "tracker's peak above: " + ", ".join(

@@ -121,14 +121,16 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu_times: dict[str, list[float]] = {k: [] for k in keys}  # this process, all its threads
     page_faults: dict[str, list[int]] = {k: [] for k in keys}  # pages first touched (allocator.py)
-    floor, floor_times = GPT(config.gpt_config()).to(ctx.device), []
+    floor, floor_times, floor_cpu = GPT(config.gpt_config()).to(ctx.device), [], []
     order = (*keys, FLOOR)
     for r in range(rounds):
         x, y = batch(r)
         shift = r % len(order)
         for key in order[shift:] + order[:shift]:
             if key == FLOOR:
-                floor_times.append(timed(ctx.device, forward_backward, floor, x, y)[0])
+                wall, cpu, _ = timed(ctx.device, forward_backward, floor, x, y)
+                floor_times.append(wall)
+                floor_cpu.append(cpu)
                 continue
             faults = minor_page_faults()
             wall, cpu, _ = timed(ctx.device, harness.train_step, engines[key], x, y)
@@ -160,6 +162,7 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
     diffs = {k: harness.max_diff(engines[k].full_state_dict(), expected) for k in keys}
     report("compare parameters")
     return {"rank": ctx.rank, "times": times, "floor_times": floor_times, "cpu_times": cpu_times,
+            "floor_cpu_times": floor_cpu,
             "page_faults": page_faults, "measured": measured,
             "max_abs_diff": diffs, "reference": reference,
             "params": num_params(model) if ctx.rank == 0 else None,
