@@ -1,4 +1,4 @@
-"""Exercise for notebook 01: DDP, the engine, as torch's DistributedDataParallel does it.
+"""Exercise for notebook 01 (01_ddp): DDP, the engine, as torch's DistributedDataParallel does it.
 
 The class runs on every rank at once: the grader spawns 1, 2 and 3 processes, builds the same
 model on each and trains it with your engine and with zerolab.ddp.DDP side by side. Talk to the

@@ -3,7 +3,8 @@
 Adam amplifies reduction-order noise, so each engine is held to the yardstick of torch's own
 DistributedDataParallel run on the same data in the same launch: equal at 1 rank, bitwise equal
 at 2 ranks (a sum of two numbers and a halving are exact in any order), and within a small
-multiple of torch DDP's own distance from the reference at 3 and 4 ranks.
+multiple of torch DDP's own distance from the reference at 3 and 4 ranks. Gradient accumulation
+(no_sync() and micro-batches) is held to torch's DDP.no_sync() the same way.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from workers import engines as W
+from workers import features as F
+from workers.features import KIND, STAGES
 
 import zerolab
-from zerolab import theory
+from zerolab import harness, theory
 from zerolab.engines import ENGINES
 from zerolab.harness import max_diff
 from zerolab.units import make_units
@@ -144,10 +147,17 @@ def test_comm_bytes_per_step_match_the_formulas(runs):
     n, results = runs
     ring = (n - 1) / n  # one ring pass: each rank sends (N-1)/N of the tensor
     for kind in KINDS:
+        buffer_bytes = sum(b.numel() * b.element_size() for b in W.build_model(kind).buffers())
         for engine_key in ALL:
             for res in results:
                 r = res[kind][engine_key]
-                per_step = r["log"].total_ring_bytes() / W.STEPS
+                # Buffers (the MLP's input_shift) are broadcast from rank 0 before each forward,
+                # as torch's DDP does (parts/buffers.py): on top of the formulas, counted apart.
+                buffers = [e for e in r["log"].events if e.tag.startswith(f"{engine_key}/fwd/buf")]
+                assert [(e.op, e.nbytes) for e in buffers] == (
+                    [("broadcast", buffer_bytes)] * W.STEPS if buffer_bytes and n > 1 else []), kind
+                per_step = (r["log"].total_ring_bytes()
+                            - sum(e.ring_bytes for e in buffers)) / W.STEPS
                 padded = sum(pad for _, pad in r["layouts"])
                 passes = {"ddp": 2, "zero1": 2, "zero1_after_backward": 2, "zero1_all_reduce": 3,
                           "zero2": 2, "zero2_after_backward": 2}
@@ -319,3 +329,40 @@ def test_zero3_with_checkpointing_gathers_each_unit_once_per_phase(prefetch):
             assert ckpt["gathers"][f"fwd/blocks.{i}"] == W.STEPS
             assert ckpt["gathers"][f"bwd/blocks.{i}"] == W.STEPS
         assert ckpt["ring"] == plain["ring"]
+
+
+# ---- gradient accumulation: no_sync() and micro-batches, every stage with the GPT ---------------
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"N{n}")
+def accumulated(request):
+    return request.param, zerolab.launch(F.accumulate, request.param, args=(STAGES, KIND),
+                                         timeout=300)
+
+
+def test_accumulation_equals_one_big_batch(accumulated):
+    """4 micro-batches with no_sync() then one synced == one step on the 4x batch."""
+    n, results = accumulated
+    reference = F.reference_big_batch(KIND)
+    yardstick = max_diff(results[0]["torch_ddp"], reference)
+    for engine_key in STAGES:
+        for rank, res in enumerate(results):
+            diff = max_diff(res[engine_key]["state"], reference)
+            assert diff <= W.YARDSTICK_MULTIPLE * yardstick, (engine_key, rank, diff, yardstick)
+            if n == 2:  # sums of two are exact: bitwise equal to torch's DDP.no_sync()
+                assert diff == yardstick, engine_key
+
+
+def test_no_reduction_inside_no_sync(accumulated):
+    _, results = accumulated
+    for engine_key in STAGES:
+        assert results[0][engine_key]["reductions_inside_no_sync"] == 0, engine_key
+
+
+@pytest.mark.parametrize("rows, micro_batches", [(5, 2), (4, 0), (3, 4)])
+def test_micro_batches_that_do_not_divide_the_batch_are_refused(rows, micro_batches):
+    """Unequal micro-batches, each loss divided by their count, would not give the mean."""
+    x = y = torch.zeros(rows, 3)
+    with pytest.raises(ValueError, match=f"micro_batches={micro_batches} must divide the "
+                                         f"batch's {rows} rows"):
+        harness.train_step(None, x, y, torch.nn.functional.mse_loss,
+                           micro_batches=micro_batches)

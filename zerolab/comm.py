@@ -16,6 +16,9 @@ record, per call (a `CommEvent`):
   reduce-scatter as N-1 send/recv pairs, both at the ring figure;
 - `group_ranks`: the global ranks of the group it ran in.
 
+In a rank of zerolab.launch, every call is also written to the rank's flight recorder
+(zerolab.wire.flight: the last collectives, with their tags, readable after a hang or a crash).
+
 Usage, inside a worker:
 
     with zerolab.record_comm() as log:
@@ -36,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from zerolab import theory
-from zerolab.wire import backends, written
+from zerolab.wire import backends, flight, written
 
 __all__ = ["CommEvent", "CommLog", "Handle", "Span", "all_gather", "all_reduce", "all_to_all",
            "barrier", "broadcast", "record_comm", "recv", "reduce_scatter", "send", "span"]
@@ -289,15 +292,16 @@ def span(name: str) -> Iterator[None]:
 class Handle:
     """What a zerolab collective returns: `wait()` blocks until done (a no-op when synchronous)."""
 
-    def __init__(self, work, finish: Callable[[], None]):
+    def __init__(self, work, finish: Callable[[], None], flown: int = -1):
         self._work = work  # torch's Work (or backends' stand-in); None: already complete
         self._finish = finish
+        self._flown = flown  # its entry in the flight recorder (-1: none)
         if work is None:
             finish()
 
     def wait(self) -> None:
         if self._work is not None:
-            with _inside_zerolab():
+            with _inside_zerolab(), flight.calling(self._flown, blocking=True):
                 self._work.wait()
                 self._work = None
                 self._finish()
@@ -336,8 +340,12 @@ def _close_events(opened: list[tuple[_Recording, _Open]]) -> None:
 
 
 def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
-           plan: backends.Plan, then: Callable[[], object] | None = None, src: int = 0) -> Handle:
-    with _inside_zerolab():
+           plan: backends.Plan, then: Callable[[], object] | None = None, src: int = 0,
+           peer: int = -1) -> Handle:
+    # The flight recorder's entry: a numbered collective, or a send/recv to or from `peer`.
+    flown = flight.issue(op, tag, tensor, group, async_op, peer=src if op == "broadcast" else peer,
+                         kind=flight.P2P if peer >= 0 else flight.COLLECTIVE)
+    with _inside_zerolab(), flight.calling(flown, blocking=not async_op):
         opened = _open_events(op, tag, tensor, group, async_op, plan, src)
         work = plan.call()
 
@@ -346,9 +354,10 @@ def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool
             then()
         if opened:
             _close_events(opened)
+        flight.complete(flown)
 
     # A synchronous call has completed when it returns: its Handle is done at once.
-    return Handle(work if async_op else None, finish)
+    return Handle(work if async_op else None, finish, flown)
 
 
 def _average_after(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | None:
@@ -430,10 +439,10 @@ def barrier(*, tag: str, group: dist.ProcessGroup | None = None) -> None:
 def send(tensor: torch.Tensor, dst: int, *, tag: str,
          group: dist.ProcessGroup | None = None) -> None:
     _issue("send", tag, tensor, group, False,
-           backends.native("send", group, lambda: dist.send(tensor, dst, group=group)))
+           backends.native("send", group, lambda: dist.send(tensor, dst, group=group)), peer=dst)
 
 
 def recv(tensor: torch.Tensor, src: int, *, tag: str,
          group: dist.ProcessGroup | None = None) -> None:
     _issue("recv", tag, tensor, group, False,
-           backends.native("recv", group, lambda: dist.recv(tensor, src, group=group)))
+           backends.native("recv", group, lambda: dist.recv(tensor, src, group=group)), peer=src)
