@@ -99,14 +99,24 @@ class DDPEngine:
         # END SOLUTION
 
     def __call__(self, *args, **kwargs):
+        """Exercise 1.3: The model's forward, once no all-reduce is in flight."""
+        # BEGIN SOLUTION
+        self._wait()  # the next backward adds into these buffers: they must be settled
+        # END SOLUTION
         return self.module(*args, **kwargs)
+
+    def _wait(self) -> None:
+        """Exercise 1.3: Wait for every all-reduce in flight."""
+        # BEGIN SOLUTION
+        for handle in self.handles:
+            handle.wait()  # an "avg" is divided here, when it is waited for
+        self.handles.clear()
+        # END SOLUTION
 
     def step(self) -> None:
         """Exercise 1.3: Wait for every all-reduce, then step the optimizer."""
         # BEGIN SOLUTION
-        for handle in self.handles:
-            handle.wait()
-        self.handles.clear()
+        self._wait()
         self.optimizer.step()
         # END SOLUTION
 

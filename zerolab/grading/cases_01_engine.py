@@ -1,7 +1,7 @@
 """Notebook 01's engine exercise (ex01_ddp_engine): DDP as an engine, trained on ranks against
 zerolab.ddp.DDP (engine_check)."""
 
-from zerolab.grading.engine_check import engine_exercise
+from zerolab.grading.engine_model import engine_exercise
 
 EXERCISES = [
     engine_exercise(

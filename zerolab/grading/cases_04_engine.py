@@ -1,7 +1,7 @@
 """Notebook 04's engine exercise (ex04_zero2_engine): the ZeRO-2 engine, trained on ranks
 against zerolab.zero2.ZeRO2 (engine_check)."""
 
-from zerolab.grading.engine_check import engine_exercise
+from zerolab.grading.engine_model import engine_exercise
 
 EXERCISES = [
     engine_exercise(

@@ -70,7 +70,7 @@ def _outputs_5_2(result: Any, args: Args) -> dict[str, Any]:
 
 
 def _flat_replaced(ev: Evidence) -> bool:
-    return _storage_id(ev.args[1].untyped_storage()) != ev.args.kept["storage"]
+    return "another storage" in ev.got_outputs["flat_param's shape and storage"]
 
 
 _SHRINK = ("Shrink the storage itself, flat_param.untyped_storage().resize_(0): every view of "

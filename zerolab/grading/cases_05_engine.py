@@ -1,7 +1,7 @@
 """Notebook 05's engine exercise, the capstone (ex05_zero3_engine): the ZeRO-3 engine, trained
 on ranks against zerolab.zero3.ZeRO3 (engine_check)."""
 
-from zerolab.grading.engine_check import engine_exercise
+from zerolab.grading.engine_model import engine_exercise
 
 EXERCISES = [
     engine_exercise(

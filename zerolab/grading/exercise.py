@@ -71,9 +71,7 @@ class Exercise:
     distributed: bool = False
     outputs: Callable[[Any, tuple], dict[str, Any]] = _result  # (result, args) -> named outputs
     comm_checked: bool = False  # also compare the zerolab.comm ops called and bytes sent
-    # How one case is checked on a rank, instead of check._check_case (same arguments, same
-    # record); engine exercises use engine_check.check_engine.
-    check: Callable[..., dict[str, Any]] | None = None
+    stage: str = ""  # an engine exercise: the stage it builds ("ddp", "zero2", "zero3")
     hints: tuple[str, ...] = ()  # further hint levels, after `hint`
     mistakes: tuple[Mistake, ...] = ()
     read_only: tuple[str, ...] = ()  # argument names checked unchanged after every call
