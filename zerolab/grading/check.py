@@ -26,6 +26,8 @@ from zerolab.grading.exercise import Case, Exercise
 from zerolab.grading.mistakes import (
     COLLECTIVES_DIFFER,
     COLLECTIVES_REORDERED,
+    DTYPES_MIXED,
+    NON_CONTIGUOUS_VIEW,
     Evidence,
     Mistake,
     _diagnose,
@@ -73,7 +75,7 @@ def judge_case(ex: Exercise, case: Case, world_size: int, expected: list[dict],
                got: list[dict], solution: Callable | None) -> dict[str, Any]:
     """The verdict on one case that returned on every rank. expected, got: per rank, what
     call.call measured. solution: a plain exercise's solution, to try other inputs."""
-    if world_size > 1 and (cross := _collectives(got)) is not None:
+    if world_size > 1 and (cross := _collectives(expected, got)) is not None:
         return cross
     for rank in range(world_size):
         found = _judge_rank(ex, case, rank, world_size, expected[rank], got[rank], solution)
@@ -82,14 +84,22 @@ def judge_case(ex: Exercise, case: Case, world_size: int, expected: list[dict],
     return {"status": "passed"}
 
 
-def _collectives(got: list[dict]) -> dict[str, Any] | None:
-    """Every rank issued the same collectives with the same sizes, in the same order."""
+def _collectives(expected: list[dict], got: list[dict]) -> dict[str, Any] | None:
+    """Every rank issued the same collectives with the same sizes, in the same order, and
+    sent and received data of the dtypes the reference did."""
     per_rank = [g.get("collectives", []) for g in got]
     difference = flight.first_difference(per_rank, finished=True)
-    if difference is None:
-        return None
-    mistake = COLLECTIVES_REORDERED if flight.reordered(per_rank) else COLLECTIVES_DIFFER
-    return _wrong("collectives", difference.describe(), mistake, rank=None)
+    if difference is not None:
+        reordered = flight.reordered(per_rank) or difference.tags_differ
+        mistake = COLLECTIVES_REORDERED if reordered else COLLECTIVES_DIFFER
+        return _wrong("collectives", difference.describe(), mistake, rank=None)
+    want = flight.dtypes([e.get("collectives", []) for e in expected])
+    have = flight.dtypes(per_rank)
+    if len(have) > 1 and len(want) <= 1:
+        return _wrong("collectives", f"the ranks moved {' and '.join(have)} data, where the "
+                      f"reference moved {' and '.join(want) or 'nothing'}", DTYPES_MIXED,
+                      rank=None)
+    return None
 
 
 def _judge_rank(ex: Exercise, case: Case, rank: int, world_size: int, expected: dict,
@@ -120,4 +130,4 @@ def judge_raised(ex: Exercise, case: Case, rank: int, world_size: int, message: 
     outputs = expected["outputs"] if expected and "outputs" in expected else {}
     evidence = Evidence("raised", None, message, outputs, {}, rank, world_size, case.make,
                         solution, case.label)
-    return _diagnose(ex.mistakes, evidence)
+    return _diagnose((*ex.mistakes, NON_CONTIGUOUS_VIEW), evidence)

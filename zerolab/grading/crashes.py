@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 from zerolab.grading import flight
 from zerolab.grading.defaults import FILE_LIMIT, OUTPUT_LIMIT
-from zerolab.grading.mistakes import COLLECTIVES_DIFFER, COLLECTIVES_REORDERED, Evidence, Mistake
+from zerolab.grading.mistakes import (
+    COLLECTIVES_DIFFER,
+    COLLECTIVES_REORDERED,
+    DTYPES_MIXED,
+    Evidence,
+    Mistake,
+)
 from zerolab.grading.session import Stop
 
 # What a signal most often means when a rank runs a learner's tensor code on gloo.
@@ -32,10 +38,6 @@ _CAUSES = {
     "SIGFPE": "an arithmetic error in native code (an integer division by zero?)",
     "SIGXFSZ": f"a file bigger than {FILE_LIMIT >> 20} MiB written",
 }
-DTYPES_MIXED = Mistake(
-    "data sent and received in different dtypes",
-    "A receive buffer must have the dtype of what is sent into it: torch.empty and torch.zeros "
-    "make float32 unless you pass dtype= (torch.empty_like keeps the dtype).", output="")
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def explain(stop: Stop, timeout: float, mistakes: tuple[Mistake, ...],
     difference = flight.first_difference(flights, finished=False) if flights else None
     if difference is not None:
         message += " " + difference.describe() + "."
-        mistake = COLLECTIVES_REORDERED if flight.reordered(flights) else None
+        mistake = COLLECTIVES_REORDERED if difference.tags_differ else None
     elif len(flight.dtypes(flights)) > 1:
         message += f" The ranks moved {' and '.join(flight.dtypes(flights))} data."
         mistake = DTYPES_MIXED

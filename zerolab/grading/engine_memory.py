@@ -30,7 +30,7 @@ GRADER = "grader"
 SHOWN = ("params", "grads", "optimizer", "kept params", "activations", "other")
 
 
-def _found(obj: Any, kind: type, depth: int = 4, seen: set | None = None) -> list[Any]:
+def _found(obj: Any, kind: type, depth: int = 6, seen: set | None = None) -> list[Any]:
     """The objects of `kind` (optimizers, parameters) an engine keeps in its attributes, in
     lists, dicts and objects of its own a few levels down; not in the model."""
     seen = set() if seen is None else seen

@@ -35,6 +35,11 @@ def ratio_mistakes(n: int, shown: str = "") -> list[tuple[float, Mistake]]:
                    "optimizer? ZeRO: was its shard all-gathered back?)."))]
 
 
+STALE_UNITS = _m("units still gathered after backward: their parameters are stale",
+                 "Your update is zero: the full parameters the model uses (and full_state_dict() "
+                 "returns) are the ones from before the step. A unit left gathered after its "
+                 "backward is not gathered again (unshard finds it gathered): reshard every unit "
+                 "after its backward, so that the next use gathers the stepped shards.")
 WRONG_UPDATE = _m("a wrong update",
                   "Each parameter takes one optimizer step on its averaged gradient: build the "
                   "optimizer with **optimizer_kwargs, and let every gradient reach it once.")
@@ -131,9 +136,10 @@ PHASES = {
         "At rest a rank holds only its shards: gather nothing in step(); the next forward "
         "gathers each unit when it needs it."),
     ("zero3", "reduce_scatter", "step"): _m(
-        "reduce-scatter after backward",
+        "every unit's gradient held until step(), reduced there",
         "Reduce-scatter each unit's gradients as soon as its backward is over (the "
-        "post-accumulate-grad hook of its last gradient), then reshard it."),
+        "post-accumulate-grad hook of its last gradient), then drop them and reshard the unit: "
+        "held until step(), every unit's flat gradient is alive at the end of backward, 4Ψ."),
 }
 BLOCKING = {
     "ddp": _m("no overlap: backward waits for each all-reduce",
@@ -230,7 +236,8 @@ def known_mistakes(stage: str) -> tuple[Mistake, ...]:
         rest = [_AT_REST["params"], FROZEN_GATHERED, *rest]
     extra = [BUCKETS_FORWARD, BUCKETS_OTHER] if stage != "zero3" else []
     blocking = [BLOCKING[stage]] if stage in BLOCKING else []
-    mistakes = [*(m for _, m in ratio_mistakes(2, "N")), SPREAD, ACCUMULATION, TENSOR_HOOK,
+    stale = [STALE_UNITS] if stage == "zero3" else []
+    mistakes = [*(m for _, m in ratio_mistakes(2, "N")), *stale, SPREAD, ACCUMULATION, TENSOR_HOOK,
                 *memory, *rest, *phases, *blocking, *extra, FROZEN_TRAINED, TIED_TWICE,
                 STATE_DICT, LIVE_STATE_DICT, TAGS, NO_COMM, RANKS_DIFFER]
     return tuple(dict.fromkeys(mistakes))

@@ -70,13 +70,13 @@ class _Driver:
                 out = self.model.loss(self.engine(x), y) / k
             n = f" {i}" if k > 1 else ""
             if points:
-                points.mark(f"the end of forward{n}", f"forward{n}")
+                points.mark(f"at the end of forward{n}", f"forward{n}")
             with comm.span("backward"):
                 out.backward()
             loss += out.item()
             del out
             if points:
-                points.mark(f"the end of backward{n}", f"backward{n}")
+                points.mark(f"at the end of backward{n}", f"backward{n}")
         with comm.span("step"):
             self.engine.step()
         if points:

@@ -78,6 +78,11 @@ class Difference:
         return (f"The ranks' collectives differ at call {self.index + 1}: "
                 + "; ".join(one(r, c) for r, c in enumerate(self.calls)))
 
+    @property
+    def tags_differ(self) -> bool:
+        """The ranks were at different tensors there (another name), not just other sizes."""
+        return len({c["tag"] for c in self.calls if c is not None}) > 1
+
 
 def collectives(calls: list[dict]) -> list[dict]:
     return [c for c in calls if c["op"] in COLLECTIVES]

@@ -243,6 +243,16 @@ DTYPE_LOST = Mistake("the dtype lost",
                      "Keep the input's dtype: torch.empty and torch.zeros make float32 unless "
                      "you pass dtype= (or use torch.empty_like, new_zeros).", dtype_lost,
                      output="")
+NON_CONTIGUOUS_VIEW = Mistake(
+    ".view() of a non-contiguous tensor",
+    "An input may be a non-contiguous view (a transpose, a strided slice): .view() needs "
+    "contiguous memory. Use .reshape() or .flatten(), which copy when they must.",
+    lambda ev: "view size is not compatible" in ev.got, output="raised")
+DTYPES_MIXED = Mistake(
+    "data sent and received in different dtypes",
+    "A receive buffer must have the dtype of what is sent into it: torch.empty and torch.zeros "
+    "make float32 unless you pass dtype= (torch.empty_like keeps the dtype).",
+    output="collectives")
 COLLECTIVES_REORDERED = Mistake(
     "the ranks issued their collectives in different orders",
     "Every rank must issue the same collectives in the same order. Processes started one by "
@@ -257,18 +267,19 @@ COLLECTIVES_DIFFER = Mistake(
 
 
 def memory_mistakes(what: str) -> tuple[Mistake, Mistake]:
-    """The two ways an output that must be a copy of its own goes wrong (exercise.
-    _own_memory_outputs): a view of an input, and a view into a bigger buffer."""
+    """The two ways an output that must be a copy of its own goes wrong (exercise.memory_of):
+    a view of an input, and a view into a bigger buffer."""
     return (
         Mistake(f"{what}: a view of an input, not a copy",
-                "Return memory of your own (.clone()): a view of an input changes when the "
-                "input does, and keeps all of it alive.",
+                "Return memory of your own (.clone()): a view of an input (or the input "
+                "itself, a shortcut at N = 1) changes when the input does, and keeps all of "
+                "it alive.",
                 lambda ev: ev.got == "a view of an input", output="memory"),
         Mistake(f"{what}: a view into a bigger buffer",
                 "Return exactly your elements, in memory of their own (.clone() the slice): a "
                 "view keeps the whole buffer it was cut from alive, which is the memory that "
                 "sharding is meant to save.",
-                lambda ev: ev.got.startswith("its own"), output="memory"))
+                lambda ev: ev.got.startswith("a view into"), output="memory"))
 
 
 def input_changed_hint(name: str) -> str:

@@ -70,6 +70,9 @@ def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
     if isinstance(expected, Result):
         return expected
     cases = ex.cases(n) if ex.distributed else ex.cases()
+    done = [e for e in events if e["event"] == "done" and e["status"] == "tampered"]
+    if done:  # whatever the cases showed, they were measured with replaced tools
+        return _tampered(ex, n, done[0]["message"])
     for index in ["import", *range(len(cases))]:
         mine = [ends.get((index, r)) for r in range(n)]
         label = "" if index == "import" else cases[index].label
@@ -89,9 +92,6 @@ def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
         if record["status"] != "passed":
             return _result_from(ex, {**record, "label": label, "world_size": _shown(ex, n)},
                                 timeout)
-    done = [e for e in events if e["event"] == "done" and e["status"] == "tampered"]
-    if done:
-        return _tampered(ex, n, done[0]["message"])
     if not any(e["event"] == "done" for e in events):
         return _stopped(ex, task, "done", "", run, timeout, cases)
     return None

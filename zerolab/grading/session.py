@@ -107,7 +107,7 @@ class _Rank:
                 text = f.read(4096).decode(errors="replace")
         except FileNotFoundError:
             return ""
-        return "\n".join(line[:120] for line in text.splitlines()[:lines])
+        return "\n".join(line[:88] for line in text.splitlines()[:lines])
 
 
 def run(tasks: list[Task], world_size: int, timeout: float) -> Run:

@@ -8,7 +8,8 @@ measured. So before the learner's file is imported, `snapshot()` notes every fun
 and module that the loaded modules hold (and the methods of the classes torch and zerolab
 define), and `replaced(snapshot)` lists those that are no longer the same object. Values that
 are not code (counters, caches) change as programs run, and are not compared; nor are names
-added since (a module imported later adds its own).
+added to a module since (a module imported later adds its own). A name added to one of those
+classes is a change: it hides what the class inherited (torch.Tensor.__eq__ = ...).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ _CODE = (types.FunctionType, types.BuiltinFunctionType, types.ModuleType,
          types.MethodDescriptorType, types.WrapperDescriptorType, types.MethodType,
          classmethod, staticmethod, property)
 _OWN_CLASSES = ("torch", "zerolab")  # whose classes' methods are snapshot too
+_CACHES = {"__slotnames__"}  # names Python itself adds to a class (copyreg, on first pickle)
 
 
 def _is_code(value: object) -> bool:
@@ -55,6 +57,7 @@ def snapshot() -> Snapshot:
                     continue
                 found[(name, key)] = value
                 if own and issubclass(type(value), type) and value.__module__ == name:
+                    found[(name, key, "")] = frozenset(vars(value))  # its names, to see added ones
                     for attr, member in vars(value).items():
                         if _is_code(member):
                             found[(name, key, attr)] = member
@@ -66,7 +69,10 @@ def replaced(before: Snapshot) -> list[str]:
     now = snapshot()
     changed = []
     for key, value in before.items():
-        if now.get(key) is not value:
+        if key[-1] == "":  # a class's names: any new one
+            added = sorted(now.get(key, value) - value - _CACHES)
+            changed += [".".join((*key[:-1], name)) for name in added]
+        elif now.get(key) is not value:
             changed.append(f"sys.modules[{key[1]!r}]" if key[0] == "sys.modules"
                            else ".".join(key))
     return sorted(changed)
