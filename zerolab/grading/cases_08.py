@@ -121,6 +121,10 @@ EXERCISES = [
              "the LayerNorm statistics, then the attention core's own: a logsumexp per head for "
              "sdpa, the (b, a, s, s) probabilities and the (s, s) mask for explicit.",
              _cases_8_1,
+             hints=("Per token and block: LayerNorm 1 saves its input (h) and output (h) and "
+                    "2 statistics, so does LayerNorm 2; q, k, v (3h); the attention's output "
+                    "(h); the MLP's first Linear output and the GELU's output (4h each). Times "
+                    "4 bytes; then the attention core's own.",),
              mistakes=(
                  Mistake("the LayerNorms' mean and rstd left out",
                          "Each LayerNorm saves its mean and its reciprocal standard deviation "
@@ -146,6 +150,9 @@ EXERCISES = [
              "the lower index first among equal savings, and stop as soon as it fits; return "
              "[] if it fits already and None if it never does.",
              _cases_8_2,
+             hints=("Sort the blocks by saving, largest first (the lower index first among "
+                    "equal savings), and take them one by one until head_bytes + the blocks' "
+                    "bytes fit in the budget; [] if it fits already, None if it never does.",),
              mistakes=(
                  Mistake("blocks checkpointed in index order",
                          "Checkpoint the blocks that save the most first: in index order you "

@@ -12,6 +12,7 @@ the grader gives up (not the learner's fault).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ from zerolab.grading import crashes, data, kinds, session
 from zerolab.grading.check import judge_raised
 from zerolab.grading.exercise import Exercise
 from zerolab.grading.mistakes import Evidence
+from zerolab.grading.registry import EXERCISES
 from zerolab.grading.report import Result, _result_from
 from zerolab.grading.session import Run, Task
 
@@ -40,12 +42,27 @@ def grade_tasks(tasks: list[Task], world_sizes: Sequence[int],
     return results
 
 
+def _wrong_already(task: Task, index: int, got: list[Any],
+                   references: dict[str, list[Any]]) -> bool:
+    """Whether a case that returned on every rank shows the task wrong (session.Judge)."""
+    ex, n = task.exercise, len(got)
+    expected = _expected(ex, references)
+    if isinstance(expected, Result):
+        return True
+    cases = ex.cases(n) if ex.distributed else ex.cases()
+    record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got, [])
+    return record["status"] != "passed"
+
+
 def _grade_on(todo: list[Task], world_size: int, timeout: float,
               results: dict[str, Result]) -> None:
-    """Run `todo` on `world_size` ranks until every task has a verdict there."""
+    """Run `todo` on `world_size` ranks until every task has a verdict there (the references
+    computed by the first run serve the next ones)."""
     failures = 0
+    references: dict[str, list[Any]] = {}
     while todo:
-        run = session.run(todo, world_size, timeout)
+        run = session.run(todo, world_size, timeout, references, _wrong_already)
+        references = run.references
         if run.stop is not None and run.stop.how == "startup":
             failures += 1
             if failures > 2:
@@ -66,7 +83,7 @@ def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
     ex, n = task.exercise, run.world_size
     events = run.events.get(task.key, [])
     ends = {(e["case"], e["rank"]): e for e in events if e["event"] == "end"}
-    expected = _expected(ex, run)
+    expected = _expected(ex, run.references)
     if isinstance(expected, Result):
         return expected
     cases = ex.cases(n) if ex.distributed else ex.cases()
@@ -110,12 +127,19 @@ def _shown(ex: Exercise, world_size: int) -> int | None:
     return world_size if ex.distributed else None
 
 
-def _expected(ex: Exercise, run: Run) -> list[list[Any]] | Result:
+@functools.cache
+def _plain_expected(exercise_id: str) -> list[list[Any]]:
+    """A plain exercise's solution on each of its cases, run here (it is the course's code)."""
+    ex = EXERCISES[exercise_id]
+    solution = kinds.solution(ex)
+    return [[data.decode(kinds.run(ex, solution, case)) for case in ex.cases()]]
+
+
+def _expected(ex: Exercise, references: dict[str, list[Any]]) -> list[list[Any]] | Result:
     """Per rank, the reference's results of each case (computed here for a plain exercise)."""
     if not ex.distributed:
-        solution = kinds.solution(ex)
-        return [[data.decode(kinds.run(ex, solution, case)) for case in ex.cases()]]
-    per_rank = run.references.get(ex.id)
+        return _plain_expected(ex.id)
+    per_rank = references.get(ex.id)
     bad = next((r for r in per_rank or [None] if not isinstance(r, list)), "missing")
     if per_rank is None or bad != "missing":
         trace = bad.get("error", "") if isinstance(bad, dict) else ""
