@@ -298,6 +298,7 @@ def test_a_solved_copy_is_green_but_for_a_wrong_answer(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for folder in ("zerolab", "solutions", "exercises"):
         shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
+    (copy / "tests").mkdir()
     for file in ("pyproject.toml", "tests/test_grading.py", "tests/mutation.py",
                  "tests/conftest.py", "tests/patches.py"):
         shutil.copy(REPO / file, copy / file)

@@ -1,8 +1,10 @@
 """What a rank holds during an engine's measured step: every live storage, sorted by what the
 grader can see from outside the engine, at named moments and at the peak.
 
-The totals come from zerolab.memory's tracker over the whole process (track_memory, started
-before the model is built: every storage allocated since, whoever holds it). `Categories` is the
+The totals come from zerolab.memory's tracker over the whole process (`tracked`, started
+before the model is built: every storage allocated since, whoever holds it, is watched; the
+live bytes are summed after every op of the measured step, not before it: summing is what
+costs). `Categories` is the
 grader's own categorize callback, not the engine's report: the storages of the model's
 parameters and of the parameters the engine's optimizers step ("params"), their .grad
 ("grads"), the optimizers' state ("optimizer"), what autograd saved for backward, split into
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-from zerolab.memory import MemoryTrace, SavedForBackward, optimizer_tensors
+from zerolab.memory import MemoryTrace, SavedForBackward, _Tracker, optimizer_tensors
+from zerolab.parts.nest import tensors_in
 
 GRADER = "grader"
 SHOWN = ("params", "grads", "optimizer", "kept params", "activations", "other")
@@ -111,18 +114,44 @@ class Categories:
         return ref is not None and ref() is storage
 
 
+class Tracker(_Tracker):
+    """zerolab.memory's tracker (a TorchDispatchMode that watches every storage an op
+    creates, and sums the live ones), summing only while `sampling`."""
+
+    sampling = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tensors_in(out):
+            self.watch(t)
+        if self.sampling:
+            self.sample()
+        return out
+
+
+@contextlib.contextmanager
+def tracked(categorize: Callable[[], dict[str, list[torch.Tensor]]]) -> Iterator[Tracker]:
+    """Watch every storage the process allocates inside the block (as track_memory does)."""
+    tracker = Tracker(categorize, MemoryTrace())
+    tracker.sample()  # what exists at entry
+    with tracker:
+        yield tracker
+    tracker.close()
+
+
 class Points:
     """Live bytes at named moments of a step, and its peak (a mark closes a stretch of the
     trace: the peak's phase is the stretch it fell in)."""
 
-    def __init__(self, trace: MemoryTrace, categories: Categories):
-        self.trace, self.categories = trace, categories
+    def __init__(self, tracker: Tracker, categories: Categories):
+        self.tracker, self.trace, self.categories = tracker, tracker.trace, categories
         self.marks: list[tuple[str, str, int, dict[str, int]]] = []  # name, phase, index, bytes
         categories.start()
+        tracker.sampling = True
         self.start = self._sample()
 
     def _sample(self) -> int:
-        torch.empty(0)  # an op: the tracker samples now (frees since the last op included)
+        self.tracker.sample()  # now: the frees since the last op included
         return len(self.trace.samples) - 1
 
     @contextlib.contextmanager
@@ -139,6 +168,7 @@ class Points:
     def data(self) -> dict[str, Any]:
         """{"points": [[name, bytes by category]], "peak": [bytes by category, phase]}."""
         self.categories.active = False
+        self.tracker.sampling = False
         samples = self.trace.samples[self.start:self.marks[-1][2] + 1]
         best = max(range(len(samples)), key=lambda i: sum(_shown(samples[i][1]).values()))
         index = self.start + best

@@ -2,7 +2,7 @@
 build the engine, train STEPS steps on the case's batches, and measure. All of it comes back as
 data (zerolab.grading.data) and is judged in the grader's process (engine_verdict.py).
 
-Memory is measured by the grader, not asked of the engine: zerolab.memory's tracker follows
+Memory is measured by the grader, not asked of the engine: zerolab.memory's tracker watches
 every storage the process allocates from before the model is built to the end of the case
 (everything the engine, its hooks, autograd and the optimizer hold), and on the measured step
 the grader sorts the live bytes by what it can see from outside the engine (engine_memory.py).
@@ -25,7 +25,7 @@ from zerolab import comm, harness
 from zerolab.grading import flight
 from zerolab.grading.check import _is_stub
 from zerolab.grading.data import encode
-from zerolab.grading.engine_memory import Categories, Points
+from zerolab.grading.engine_memory import Categories, Points, tracked
 from zerolab.grading.engine_model import (
     BUCKET_BYTES,
     GLOBAL_BATCH,
@@ -35,7 +35,6 @@ from zerolab.grading.engine_model import (
     make_model,
 )
 from zerolab.grading.exercise import Case
-from zerolab.memory import track_memory
 
 
 def _phase(log: comm.CommLog, start: float) -> str:
@@ -110,9 +109,10 @@ class _Driver:
                     return key
         return None
 
-    def measured_step(self, step: int, categories: Categories, trace: Any) -> dict[str, Any]:
+    def measured_step(self, step: int, categories: Categories,
+                      tracker: Any) -> dict[str, Any]:
         """A step under the comm recorder, with live bytes at each point."""
-        points = Points(trace, categories)
+        points = Points(tracker, categories)
         with comm.record_comm(self.group, align=False) as log:
             stream = flight.streamed(log, self.flight_path) if self.flight_path else None
             try:
@@ -135,7 +135,7 @@ def run_case(stage_name: str, engine_cls: type, case: Case, rank: int, world_siz
         kwargs["bucket_bytes"] = BUCKET_BYTES
     categories = Categories()
     # Memory is measured on the measured case only, from before the model is built.
-    with track_memory(categories) if setting.measured else contextlib.nullcontext() as trace:
+    with tracked(categories) if setting.measured else contextlib.nullcontext() as tracker:
         model = make_model()
         engine = engine_cls(model, setting.optimizer_cls, **kwargs)  # zerolab's, or the learner's
         categories.watch(model, engine)
@@ -146,7 +146,7 @@ def run_case(stage_name: str, engine_cls: type, case: Case, rank: int, world_siz
             # The measured case ends with its measured step: the other cases train longer.
             for step in range(MEASURED + 1 if setting.measured else STEPS):
                 if setting.measured and step == MEASURED:
-                    steps.append(driver.measured_step(step, categories, trace))
+                    steps.append(driver.measured_step(step, categories, tracker))
                 else:
                     steps.append(driver.finish(driver.train(step, None)))
         except NotImplementedError as e:
