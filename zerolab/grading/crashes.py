@@ -65,10 +65,14 @@ def _signal_name(code: int) -> str:
 
 
 def explain(stop: Stop, timeout: float, mistakes: tuple[Mistake, ...],
-            flights: list[list[dict]], evidence: Evidence | None) -> Explained:
+            flights: list[list[dict]], evidence: Evidence | None,
+            distributed: bool = True) -> Explained:
     """The message for a run that stopped while this task ran (see the module docstring)."""
     where = _where(stop)
     if stop.how == "timeout":
+        if not distributed:
+            return Explained(f"timed out after {timeout:g} s {where}: an endless loop? "
+                             "(stopped by the grader)", timed_out=True)
         stuck = f"rank(s) {stop.stuck} never finished: " if stop.stuck else ""
         return Explained(f"timed out after {timeout:g} s {where}: {stuck}an endless loop, or "
                          "a rank waiting for a message no other rank sends? (stopped by the "

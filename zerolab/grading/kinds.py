@@ -47,8 +47,8 @@ def run(ex: Exercise, fn: Any, case: Case, rank: int = 0, world_size: int = 1,
     return call.call(ex, fn, case, call.positions(ex), rank, world_size, group, flight_path)
 
 
-def judge(ex: Exercise, case: Case, world_size: int, expected: list[Any], got: list[Any],
-          flights: list[list[dict]]) -> dict[str, Any]:
+def judge(ex: Exercise, case: Case, world_size: int, expected: list[Any],
+          got: list[Any]) -> dict[str, Any]:
     """The verdict on one case from every rank's results (a record: status, and for a wrong
     answer the output, message, rank and kind of mistake)."""
     if ex.kind == "engine":

@@ -50,7 +50,7 @@ def _wrong_already(task: Task, index: int, got: list[Any],
     if isinstance(expected, Result):
         return True
     cases = ex.cases(n) if ex.distributed else ex.cases()
-    record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got, [])
+    record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got)
     return record["status"] != "passed"
 
 
@@ -104,8 +104,7 @@ def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
         if index == "import":
             continue
         got = [run.got[task.key, index, r] for r in range(n)]
-        record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got,
-                             run.flights.get((task.key, index), []))
+        record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got)
         if record["status"] != "passed":
             return _result_from(ex, {**record, "label": label, "world_size": _shown(ex, n)},
                                 timeout)
@@ -205,7 +204,7 @@ def _stopped(ex: Exercise, task: Task, index: Any, label: str, run: Run, timeout
     if isinstance(index, int):
         evidence = Evidence("crash", None, flights, {}, {}, stop.rank or 0, n,
                             cases[index].make, None, label)
-    told = crashes.explain(stop, timeout, ex.mistakes, flights, evidence)
+    told = crashes.explain(stop, timeout, ex.mistakes, flights, evidence, ex.distributed)
     return Result(ex, "wrong", world_size=_shown(ex, n),
                   rank=stop.rank if ex.distributed and stop.how != "timeout" else None,
                   case=label or None, message=told.message, timed_out=told.timed_out,
