@@ -195,5 +195,6 @@ def serve(workdir: str, rank: int, world_size: int) -> None:
             run.events.write(event="tainted")
             break
     else:
-        run.events.write(event="final")
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        run.events.write(event="final", cpu=usage.ru_utime + usage.ru_stime)  # for the record
     os._exit(0)  # no exit handlers: nothing of the learner's runs after this
