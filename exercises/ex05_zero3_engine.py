@@ -120,6 +120,6 @@ class ZeRO3Engine:
         raise NotImplementedError("Exercise 5.3: Zero this rank's gradient shards.")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exercise 5.3: The model's full state_dict(), a snapshot, on every rank (a collective)."""
+        """Exercise 5.3: The model's full state_dict(), a snapshot, on every rank (collective)."""
         raise NotImplementedError(
-            "Exercise 5.3: The model's full state_dict(), a snapshot, on every rank (a collective).")
+            "Exercise 5.3: The model's full state_dict(), a snapshot, on every rank (collective).")

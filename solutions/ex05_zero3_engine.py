@@ -178,7 +178,7 @@ class ZeRO3Engine:
         # END SOLUTION
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exercise 5.3: The model's full state_dict(), a snapshot, on every rank (a collective)."""
+        """Exercise 5.3: The model's full state_dict(), a snapshot, on every rank (collective)."""
         # BEGIN SOLUTION
         for unit in self.units:
             self.unshard(unit, "state_dict")
