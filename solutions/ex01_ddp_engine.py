@@ -1,4 +1,4 @@
-"""Exercise for notebook 01: DDP, the engine, as torch's DistributedDataParallel does it.
+"""Exercise for notebook 01 (01_ddp): DDP, the engine, as torch's DistributedDataParallel does it.
 
 The class runs on every rank at once: the grader starts 1, 2 and 3 processes, builds the same
 model on each and trains it with your engine, then with zerolab.ddp.DDP on the same batches,

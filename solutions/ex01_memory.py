@@ -1,6 +1,6 @@
-"""Exercises for notebook 01: where the memory of training goes.
+"""Exercises for notebook 01b (01b_memory): where the memory of training goes.
 
-Check your answers with `grade("ex01")` in the notebook, or `python -m zerolab.grade ex01`.
+Check them with `grade("ex01_memory")` in the notebook, or `python -m zerolab.grade ex01_memory`.
 """
 
 from __future__ import annotations

@@ -98,9 +98,60 @@ SPAWNED = """\
 from zerolab.launcher import zygote
 
 
-def no_zygote():
+def no_zygote(world_size):
     raise zygote.ZygoteUnavailable("spawned ranks, for this test")
 
 
-zygote.Zygote.for_this_process = no_zygote
+zygote.Zygote.for_ranks = no_zygote
 """
+
+
+# --- callers that get killed, and what they leave (test_launch_cleanup.py) ---------------------
+
+CALLER = """\
+import sys
+sys.path.insert(0, {tests!r})
+from workers import launch as launch_workers
+import zerolab
+
+if __name__ == "__main__":
+    zerolab.launch(launch_workers.start_children, 2, args=({notes!r}, {then!r}), timeout=600)
+"""
+
+
+def start_caller(folder: Path, notes: Path, tmpdir: Path, then: str = "sleep",
+                 new_session: bool = False) -> subprocess.Popen:
+    """A script that launches 2 ranks which start children and then `then` (see
+    workers.launch.start_children), its temporary files in `tmpdir`."""
+    script = folder / "caller.py"
+    script.write_text(CALLER.format(tests=str(Path(__file__).parent), notes=str(notes),
+                                    then=then))
+    env = dict(os.environ, TMPDIR=str(tmpdir))
+    return subprocess.Popen([sys.executable, str(script)], cwd=folder, env=env,
+                            start_new_session=new_session, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_until(condition, timeout: float = 120.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def started(notes: Path, world_size: int = 2) -> dict[str, list[int]]:
+    """Once every rank has noted its pid and its children's: {"ranks": [...], "kids": [...]}."""
+    assert wait_until(lambda: all((notes / f"kids-{r}").exists() for r in range(world_size))), \
+        "the ranks did not start"
+    return {"ranks": [int((notes / f"rank-{r}").read_text()) for r in range(world_size)],
+            "kids": [int(p) for r in range(world_size)
+                     for p in (notes / f"kids-{r}").read_text().split()]}
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -1,7 +1,7 @@
 """The course in a real JupyterLab, driven by a real (headless) Chromium.
 
 nbval runs the notebooks' code but no front end. This test starts JupyterLab from this
-environment on a free loopback port with a token, opens notebook 01, runs the calculator cell,
+environment on a free loopback port with a token, opens notebook 01b, runs the calculator cell,
 checks that the widget's controls render, moves one and checks that the output changes, then
 opens another notebook and checks that a stored plot shows as an image. Screenshots go to
 artifacts/browser/ (or $ZEROLAB_ARTIFACTS).
@@ -28,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = Path(os.environ.get("ZEROLAB_NOTEBOOKS", ROOT / "notebooks"))
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-WIDGET_NOTEBOOK = "01_ddp_memory.ipynb"
+WIDGET_NOTEBOOK = "01b_memory.ipynb"
 PLOT_NOTEBOOK = "04_zero2.ipynb"
 ARTIFACTS = Path(os.environ.get("ZEROLAB_ARTIFACTS", ROOT / "artifacts" / "browser"))
 # Chromium flags for a closed network and no display (no sandbox: CI runs as root).

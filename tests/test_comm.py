@@ -362,7 +362,7 @@ def test_ring_sent_bytes_by_hand():
     assert theory.rank_sent_bytes("send", s, 2) == 48
     assert theory.rank_sent_bytes("recv", s, 2) == 0
     with pytest.raises(ValueError, match="unknown op"):
-        theory.rank_sent_bytes("all_to_all", s, 2)
+        theory.rank_sent_bytes("scatter", s, 2)
 
 
 def test_wrappers_without_a_process_group_act_as_one_rank():

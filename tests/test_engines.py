@@ -3,7 +3,8 @@
 Adam amplifies reduction-order noise, so each engine is held to the yardstick of torch's own
 DistributedDataParallel run on the same data in the same launch: equal at 1 rank, bitwise equal
 at 2 ranks (a sum of two numbers and a halving are exact in any order), and within a small
-multiple of torch DDP's own distance from the reference at 3 and 4 ranks.
+multiple of torch DDP's own distance from the reference at 3 and 4 ranks. Gradient accumulation
+(no_sync() and micro-batches) is held to torch's DDP.no_sync() the same way.
 """
 
 from __future__ import annotations
@@ -11,8 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from workers import engines as W
+from workers import features as F
+from workers.features import KIND, STAGES
 
 import zerolab
+from zerolab import harness
 from zerolab.harness import max_diff
 
 ALL = list(W.ENGINES_TESTED)
@@ -310,3 +314,40 @@ def test_zero3_with_checkpointing_gathers_each_unit_once_per_phase(prefetch):
             assert ckpt["gathers"][f"fwd/blocks.{i}"] == W.STEPS
             assert ckpt["gathers"][f"bwd/blocks.{i}"] == W.STEPS
         assert ckpt["ring"] == plain["ring"]
+
+
+# ---- gradient accumulation: no_sync() and micro-batches, every stage with the GPT ---------------
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"N{n}")
+def accumulated(request):
+    return request.param, zerolab.launch(F.accumulate, request.param, args=(STAGES, KIND),
+                                         timeout=300)
+
+
+def test_accumulation_equals_one_big_batch(accumulated):
+    """4 micro-batches with no_sync() then one synced == one step on the 4x batch."""
+    n, results = accumulated
+    reference = F.reference_big_batch(KIND)
+    yardstick = max_diff(results[0]["torch_ddp"], reference)
+    for engine_key in STAGES:
+        for rank, res in enumerate(results):
+            diff = max_diff(res[engine_key]["state"], reference)
+            assert diff <= W.YARDSTICK_MULTIPLE * yardstick, (engine_key, rank, diff, yardstick)
+            if n == 2:  # sums of two are exact: bitwise equal to torch's DDP.no_sync()
+                assert diff == yardstick, engine_key
+
+
+def test_no_reduction_inside_no_sync(accumulated):
+    _, results = accumulated
+    for engine_key in STAGES:
+        assert results[0][engine_key]["reductions_inside_no_sync"] == 0, engine_key
+
+
+@pytest.mark.parametrize("rows, micro_batches", [(5, 2), (4, 0), (3, 4)])
+def test_micro_batches_that_do_not_divide_the_batch_are_refused(rows, micro_batches):
+    """Unequal micro-batches, each loss divided by their count, would not give the mean."""
+    x = y = torch.zeros(rows, 3)
+    with pytest.raises(ValueError, match=f"micro_batches={micro_batches} must divide the "
+                                         f"batch's {rows} rows"):
+        harness.train_step(None, x, y, torch.nn.functional.mse_loss,
+                           micro_batches=micro_batches)

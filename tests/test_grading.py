@@ -296,9 +296,9 @@ def test_a_solved_copy_is_green_but_for_a_wrong_answer(tmp_path):
     test only, with the grader's message and hint."""
     copy = tmp_path / "repo"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in ("zerolab", "solutions", "exercises"):
+    # tests/workers: conftest.py's shared lesson launches import it.
+    for folder in ("zerolab", "solutions", "exercises", "tests/workers"):
         shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
-    (copy / "tests").mkdir()
     for file in ("pyproject.toml", "tests/test_grading.py", "tests/mutation.py",
                  "tests/conftest.py", "tests/patches.py"):
         shutil.copy(REPO / file, copy / file)

@@ -215,6 +215,21 @@ def test_memory_timeline_single_rank_stacks_categories_once_each():
     assert ax.get_ylabel() == "total memory (MiB)"
 
 
+def test_memory_timeline_marks_phases_and_levels():
+    phases = [SimpleNamespace(name="forward", start=0.0, end=0.002),
+              SimpleNamespace(name="backward", start=0.002, end=0.004)]
+    fig = plots.memory_timeline([samples(0.0)], category="params", phases=phases,
+                                levels={"shards": MiB / 2, "full model": 2 * MiB})
+    ax = fig.axes[0]
+    texts = {t.get_text(): t for t in ax.texts}
+    assert set(texts) == {"forward", "backward", "shards", "full model"}
+    assert texts["backward"].get_position()[0] == pytest.approx(3)  # mid-phase, in ms
+    assert texts["full model"].get_position()[1] == pytest.approx(2)  # at its bytes, in MiB
+    vertical = [ln for ln in ax.lines if ln.get_linestyle() == ":"]
+    assert [ln.get_xdata()[0] for ln in vertical] == pytest.approx([0, 2])  # each start, ms
+    assert len([ln for ln in ax.lines if ln.get_linestyle() == "--"]) == 2
+
+
 def test_memory_timelines_compared_share_unit_and_limits():
     # Notebook 05's pair: peaks of 1.1 MiB and 900 KiB would each get a unit of their own.
     runs = [[(0.0, {"params": 0}), (0.001, {"params": peak})] for peak in (1.1 * MiB, 900 * 2**10)]
@@ -282,6 +297,23 @@ def test_timeline_overlapping_bars_get_no_label():
     assert "blocks.0" not in labels and "blocks.5" not in labels
 
 
+def test_timeline_bars_in_flight_together_do_not_hide_each_other():
+    log = fake_log(0, 0.0)
+    log.events.append(SimpleNamespace(op="all_gather", tag="zero3/fwd/blocks.5", start=0.001,
+                                      end=0.009))  # in flight together with blocks.0
+    ax = plots.timeline([log]).axes[0]
+    comm_y = ax.get_yticks()[1]
+    bars = [p for p in ax.patches if abs(p.get_y() + p.get_height() / 2 - comm_y) < 0.4]
+    assert len(bars) == 4  # blocks.0, blocks.1, init, blocks.5: all in rank 0's collectives lane
+    for a in bars:  # two bars that share some time share no height
+        for b in bars:
+            if a is not b and a.get_x() < b.get_x() + b.get_width() and (
+                    b.get_x() < a.get_x() + a.get_width()):
+                assert (a.get_y() + a.get_height() <= b.get_y() + 1e-9
+                        or b.get_y() + b.get_height() <= a.get_y() + 1e-9)
+    assert max(p.get_height() for p in bars) == pytest.approx(0.35)  # two sub-rows
+
+
 def test_timeline_lesson_spans_have_a_colour_and_entry_each():
     fig = plots.timeline([fake_log(0, 0.0, spans=("phase 1", "phase 2", "phase 3"))])
     colours = legend_colours(fig)
@@ -324,10 +356,10 @@ def test_memory_vs_world_size_several_stages():
     assert ax.get_title() == "scaling"
     assert ax.get_xlabel() == "world size N (ranks)"
     assert ax.get_ylabel() == "bytes per rank (MiB)"
-    assert len(ax.lines) == 4  # a curve and a set of markers per stage
+    assert len(ax.lines) == 2 and len(ax.collections) == 2  # a curve and markers per stage
     assert legend_texts(fig) == ["DDP", "ZeRO-3"]  # one entry each: its line and its marker
     assert ax.get_legend().get_title().get_text() == "line: formula, marker: measured"
-    curve = ax.lines[2]
+    curve = ax.lines[1]
     assert curve.get_xdata()[0] == 1 and curve.get_xdata()[-1] == 4
     assert list(ax.get_xticks()) == [1, 2, 4]
     assert ax.get_xscale() == "linear"
@@ -343,23 +375,25 @@ def test_memory_vs_world_size_equal_series_stay_visible():
     fig = plots.memory_vs_world_size(sent, formula, max_world_size=16)
     ax = fig.axes[0]
     assert legend_texts(fig) == ["DDP", "ZeRO-1 (= DDP)", "ZeRO-2 (= DDP)", "ZeRO-3"]
-    curves, markers = ax.lines[0::2], ax.lines[1::2]
+    curves, markers = ax.lines, ax.collections
     # Equal curves: widest first, each next one narrower and dashed, so all three show.
     widths = [c.get_linewidth() for c in curves[:3]]
     assert widths == sorted(widths, reverse=True) and len(set(widths)) == 3
     assert len({c.get_linestyle() for c in curves[:3]}) == 3
-    # Equal measurements at N = 2: nudged apart, each with a marker of its own.
-    at_2 = [m.get_xdata()[1] for m in markers[:3]]
-    assert len(set(at_2)) == 3 and min(at_2) < 2 < max(at_2)
-    assert len({m.get_marker() for m in markers}) == 4
-    assert markers[3].get_xdata()[1] == 2  # ZeRO-3 coincides with no one there
+    # Equal measurements at N = 2: all at N = 2 (never shifted sideways), widest first, so
+    # that each marker shows around the ones drawn on top of it.
+    assert [m.get_offsets()[1][0] for m in markers] == [2, 2, 2, 2]
+    sizes_at_2 = [m.get_sizes()[1] for m in markers]
+    assert sizes_at_2[0] > sizes_at_2[1] > sizes_at_2[2] == sizes_at_2[3]
+    assert [m.get_zorder() for m in markers] == sorted(m.get_zorder() for m in markers)
+    assert len({m.get_paths()[0].vertices.tobytes() for m in markers}) == 4  # four shapes
 
 
 def test_memory_vs_world_size_single_series_and_log_axis():
     f = lambda n: 16e9 / n  # noqa: E731
     fig = plots.memory_vs_world_size({1: 16e9, 64: 0.25e9}, f, decimal=True)
     ax = fig.axes[0]
-    assert len(ax.lines) == 2
+    assert len(ax.lines) == 1 and len(ax.collections) == 1
     assert legend_texts(fig) == ["formula", "measured"]
     assert ax.get_xscale() == "log"
     assert ax.get_ylabel() == "bytes per rank (GB)"
@@ -400,3 +434,15 @@ def test_torch_zero_redundancy_optimizer_is_named_in_full():
     package = pathlib.Path(zerolab.__file__).parent
     for path in package.rglob("*.py"):
         assert "ZeRO-RO" not in path.read_text(encoding="utf-8"), path
+
+
+def test_grouped_bytes_counts_in_the_unit_it_is_given():
+    data = {"ZeRO-3": {"paper": 3 * MiB, "measured": 1.75 * MiB}, "HSDP": {"measured": MiB / 2}}
+    fig = plots.grouped_bytes(data, "across", xlabel="variant", ylabel="bytes per rank",
+                              lines={"M": MiB}, unit=("M", MiB))
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "bytes per rank (M)"
+    heights = sorted(round(p.get_height(), 3) for p in ax.patches)
+    assert heights == [0.5, 1.75, 3.0]  # in multiples of the unit, not of a byte unit
+    assert legend_texts(fig) == ["M", "paper", "measured"]
+    assert plots.grouped_bytes(data, "t", xlabel="x", ylabel="y").axes[0].get_ylabel() == "y (MiB)"

@@ -212,8 +212,9 @@ def test_make_lab_starts_jupyterlab_as_whoever_runs_it(tmp_path):
 
 
 def test_readme_example_runs_as_a_saved_script(tmp_path):
-    """The README's example, saved to a file and run with python, prints what each rank
-    returned: its model-state bytes by kind, and the bytes it sent."""
+    """The README's example, saved to a file and run with python, prints a line per rank: its
+    loss, its model-state bytes by kind and the bytes it sent; and the README quotes those
+    lines as they come (the bytes exactly; the loss is a float of this machine's)."""
     blocks = re.findall(r"^```python\n(.*?)^```", (REPO / "README.md").read_text(), re.M | re.S)
     assert len(blocks) == 1, "the README has one Python example"
     script = tmp_path / "taste.py"
@@ -223,9 +224,16 @@ def test_readme_example_runs_as_a_saved_script(tmp_path):
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    results = ast.literal_eval(proc.stdout.strip())
-    assert len(results) == 2  # world_size=2: one result per rank
-    for state, sent in results:
+    line = re.compile(r"rank (\d): loss ([\d.]+), holds (\{.*\}), sent ([\d,]+) bytes")
+    printed = proc.stdout.strip().splitlines()
+    assert len(printed) == 2, proc.stdout  # world_size=2: one line per rank
+    for rank, text in enumerate(printed):
+        m = line.fullmatch(text)
+        assert m and int(m[1]) == rank, text
+        state, sent = ast.literal_eval(m[3]), int(m[4].replace(",", ""))
         assert set(state) == {"params", "grads", "optimizer"}
         assert all(isinstance(v, int) and v > 0 for v in state.values())
-        assert isinstance(sent, int) and sent > 0
+        assert sent > 0
+    quoted = [t for t in (REPO / "README.md").read_text().splitlines() if line.fullmatch(t)]
+    assert [line.sub(r"\1 \3 \4", t) for t in quoted] == [
+        line.sub(r"\1 \3 \4", t) for t in printed], "the README quotes what the example prints"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from zerolab import train
 from zerolab.data import BUILTIN_TEXT, CharTokenizer, Corpus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -109,3 +110,62 @@ def test_no_rank_tears_a_torchrun_job_down_before_every_rank_ends(tmp_path):
     ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
     assert ranks[0]["waited_s"] >= 1.2 and ranks[1]["waited_s"] < 1.2
     assert not ranks[0]["group_left"] and not ranks[1]["group_left"]
+
+
+# --- the command line refuses what cannot work, before anything trains -----------------------
+
+
+@pytest.mark.parametrize("argv, text", [
+    (["--batch-size", "0"], "argument --batch-size: must be a positive integer, got 0"),
+    (["--steps", "-3"], "argument --steps: must be a positive integer, got -3"),
+    (["--log-every", "0"], "argument --log-every: must be a positive integer, got 0"),
+    (["--world-size", "0"], "argument --world-size: must be a positive integer, got 0"),
+    (["--n-head", "3"], "n_head=3 must divide n_embd=64"),
+    (["--n-embd", "30", "--n-head", "4"], "n_head=4 must divide n_embd=30"),
+    (["--lr", "nan"], "argument --lr: must be a positive number, got nan"),
+    (["--lr", "0"], "argument --lr: must be a positive number, got 0"),
+    (["--block-size", "100000"], "block_size=100000 needs a text longer than the built-in"),
+    (["--engine", "zero9"], "argument --engine: invalid choice: 'zero9'"),
+    (["--backend", "nccl", "--world-size", "64"], "backend='nccl' needs one GPU per rank"),
+])
+def test_bad_arguments_are_usage_errors(argv, text, capsys):
+    with pytest.raises(SystemExit) as info:
+        train.parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m zerolab.train"), err
+    assert text in err, err
+
+
+def test_output_paths_are_checked_before_training(tmp_path, capsys, monkeypatch):
+    cases = [(["--json", str(tmp_path / "missing" / "out.json")],
+              f"cannot write {tmp_path / 'missing' / 'out.json'}: No such file or directory"),
+             (["--trace", str(tmp_path)], f"{tmp_path} is a directory, not a file to write"),
+             (["--json", str(tmp_path / "a"), "--trace", str(tmp_path / "a")],
+              f"--trace and --json both write {tmp_path / 'a'}")]
+    for argv, text in cases:
+        with pytest.raises(SystemExit) as info:
+            train.parse_args(argv)
+        assert info.value.code == 2 and text in capsys.readouterr().err
+    # A writable path passes, and the check leaves no file behind.
+    config = train.parse_args(["--json", str(tmp_path / "out.json")])
+    assert config.json == str(tmp_path / "out.json") and not (tmp_path / "out.json").exists()
+    # Under torchrun only rank 0 writes them, so only rank 0 checks.
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert train.parse_args(["--json", str(tmp_path / "missing" / "x")]).json
+
+
+def test_a_bad_path_stops_the_command_before_it_trains(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "zerolab.train", "--steps", "2",
+                           "--json", str(tmp_path / "missing" / "out.json")],
+                          capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=subprocess_env())
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "cannot write" in proc.stderr and "train zero3 [" not in proc.stderr
+    assert proc.stdout == ""
+
+
+def test_a_config_checks_itself_too():
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0; n_head"):
+        train.run(train.TrainConfig(batch_size=0, n_head=5))

@@ -21,10 +21,11 @@ from zerolab.launcher import local, zygote
 TESTS = Path(__file__).resolve().parent
 
 
-def zygote_of(process: psutil.Process) -> psutil.Process:
+def zygotes_of(process: psutil.Process, count: int) -> list[psutil.Process]:
+    """The caller's zygotes (one per rank index it launched)."""
     found = [c for c in process.children() if launch_helpers.is_zygote(c)]
-    assert len(found) == 1, found
-    return found[0]
+    assert len(found) == count, found
+    return found
 
 
 def wait_until(condition, timeout: float = 60.0) -> bool:
@@ -44,20 +45,20 @@ def test_a_rank_sees_the_callers_environment_directory_and_path_as_they_are_now(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ZEROLAB_PROBE", "set after the zygote started")
     seen = zerolab.launch(launch_workers.where_am_i, 2, args=("probe_module",))
-    forker = zygote.Zygote.for_this_process()
-    for rank in seen:
+    forkers = zygote.Zygote.for_ranks(2)
+    for rank, forker in zip(seen, forkers):
         assert rank["probe"] == "set after the zygote started"
         assert rank["cwd"] == str(tmp_path)
         assert rank["module"] == str(tmp_path / "probe_module.py")
-        assert rank["ppid"] == forker.process.pid  # forked by the zygote, not spawned by us
+        assert rank["ppid"] == forker.process.pid  # forked by its zygote, not spawned by us
     assert len({rank["pid"] for rank in seen}) == 2
 
 
 def test_where_no_zygote_can_run_ranks_are_spawned(monkeypatch):
-    def unavailable():
+    def unavailable(world_size):
         raise zygote.ZygoteUnavailable("not here")
 
-    monkeypatch.setattr(zygote.Zygote, "for_this_process", unavailable)
+    monkeypatch.setattr(zygote.Zygote, "for_ranks", unavailable)
     seen = zerolab.launch(launch_workers.where_am_i, 2, args=("workers",))
     assert [rank["ppid"] for rank in seen] == [os.getpid()] * 2
 
@@ -91,11 +92,11 @@ def test_the_zygote_and_its_ranks_die_with_their_caller(tmp_path):
         assert wait_until(lambda: all((tmp_path / f"rank-{r}").exists() for r in (0, 1))), \
             "the ranks did not start"
         ranks = [int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)]
-        helper = zygote_of(psutil.Process(caller.pid))
-        assert all(psutil.Process(pid).ppid() == helper.pid for pid in ranks)
+        helpers = [z.pid for z in zygotes_of(psutil.Process(caller.pid), 2)]
+        assert sorted(psutil.Process(pid).ppid() for pid in ranks) == sorted(helpers)
         caller.kill()
         caller.wait()
-        gone = [helper.pid, *ranks]
+        gone = [*helpers, *ranks]
         assert wait_until(lambda: not any(alive(pid) for pid in gone), timeout=30), \
             [pid for pid in gone if alive(pid)]
     finally:
@@ -124,8 +125,8 @@ def test_a_killed_zygote_takes_its_ranks_along(tmp_path):
         assert wait_until(lambda: all((tmp_path / f"rank-{r}").exists() for r in (0, 1))), \
             "the ranks did not start"
         ranks = [int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)]
-        helper = zygote_of(psutil.Process(caller.pid))
-        os.kill(helper.pid, signal.SIGKILL)
+        zygotes_of(psutil.Process(caller.pid), 2)
+        os.kill(psutil.Process(ranks[0]).ppid(), signal.SIGKILL)  # rank 0's zygote
         out, _ = caller.communicate(timeout=60)
         assert not any(alive(pid) for pid in ranks)
         assert "was killed by SIGKILL" in out, out
@@ -144,6 +145,7 @@ def test_the_zygote_runs_a_single_thread_when_it_forks():
     """The fork is safe because the zygote has one thread. numpy's BLAS would start one at
     import (it stops it around a fork, but nothing else need be that careful)."""
     helper = zygote.Zygote()  # a new one, which has imported everything and forked nothing
+    helper._wait_ready()
     try:
         assert psutil.Process(helper.process.pid).num_threads() == 1
     finally:
@@ -199,3 +201,24 @@ def test_a_process_forked_from_the_caller_gets_a_zygote_of_its_own(tmp_path):
     rank_parent, its_zygote = map(int, out.read_text().split())
     assert rank_parent == its_zygote != ours
     assert zygote.Zygote.for_this_process().process.pid == ours  # ours is still ours
+
+
+def test_ranks_hash_strings_as_separately_started_pythons_do(monkeypatch):
+    """torchrun's ranks are new Pythons, each with its own string-hash seed: a set of names
+    iterates in a different order on each, and collectives issued in that order hang. Ranks
+    forked from one zygote would share its seed and agree; zerolab forks rank r from zygote r,
+    each with a seed of its own, unless the caller fixed PYTHONHASHSEED (torchrun's ranks
+    would inherit that one too)."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    orders = zerolab.launch(launch_workers.set_order, 4)
+    assert len(set(orders)) > 1, orders  # 4 ranks agreeing by chance: 1 in ~(8!)**3
+    seeds = {z.hash_seed for z in zygote.Zygote.for_ranks(4)}
+    assert len(seeds) == 4  # one per rank index
+    monkeypatch.setenv("PYTHONHASHSEED", "123")
+    for z in zygote.Zygote.running():
+        z.close()  # new zygotes, started under the caller's fixed seed
+    orders = zerolab.launch(launch_workers.set_order, 3)
+    assert len(set(orders)) == 1, orders
+    assert {z.hash_seed for z in zygote.Zygote.running()} == {"123"}
+    for z in zygote.Zygote.running():
+        z.close()  # the other tests' zygotes: random seeds again

@@ -5,15 +5,19 @@ one training step reads like the algorithm. The wrappers add nothing to the algo
 record, per call (a `CommEvent`):
 
 - `nbytes`: S, the bytes of the *full* tensor the collective is about (the all-reduced tensor,
-  the reduce-scatter's input, the all-gather's output);
+  the reduce-scatter's input, the all-gather's output, the all-to-all's input);
 - `ring_bytes`: what this rank sends under the ring algorithm, the textbook model the formulas
-  use: all-reduce 2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S;
+  use: all-reduce 2(N-1)/N·S, reduce-scatter and all-gather (N-1)/N·S; all-to-all (N-1)/N·S
+  (S its input: every chunk but a rank's own leaves it, whatever the algorithm);
 - `wire_bytes`: what this rank actually wrote for the call, measured by the kernel's per-process
   byte counter (zerolab.wire.written) over the call's window; None where it cannot be measured
   (NCCL, not Linux), where a notebook then shows the ring model;
 - `impl`: what ran (zerolab.wire.backends): on gloo an all-gather runs as N broadcasts and a
   reduce-scatter as N-1 send/recv pairs, both at the ring figure;
 - `group_ranks`: the global ranks of the group it ran in.
+
+In a rank of zerolab.launch, every call is also written to the rank's flight recorder
+(zerolab.wire.flight: the last collectives, with their tags, readable after a hang or a crash).
 
 Usage, inside a worker:
 
@@ -35,10 +39,10 @@ import torch
 import torch.distributed as dist
 
 from zerolab import theory
-from zerolab.wire import backends, written
+from zerolab.wire import backends, flight, written
 
-__all__ = ["CommEvent", "CommLog", "Handle", "Span", "all_gather", "all_reduce", "barrier",
-           "broadcast", "record_comm", "recv", "reduce_scatter", "send", "span"]
+__all__ = ["CommEvent", "CommLog", "Handle", "Span", "all_gather", "all_reduce", "all_to_all",
+           "barrier", "broadcast", "record_comm", "recv", "reduce_scatter", "send", "span"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -288,15 +292,16 @@ def span(name: str) -> Iterator[None]:
 class Handle:
     """What a zerolab collective returns: `wait()` blocks until done (a no-op when synchronous)."""
 
-    def __init__(self, work, finish: Callable[[], None]):
+    def __init__(self, work, finish: Callable[[], None], flown: int = -1):
         self._work = work  # torch's Work (or backends' stand-in); None: already complete
         self._finish = finish
+        self._flown = flown  # its entry in the flight recorder (-1: none)
         if work is None:
             finish()
 
     def wait(self) -> None:
         if self._work is not None:
-            with _inside_zerolab():
+            with _inside_zerolab(), flight.calling(self._flown, blocking=True):
                 self._work.wait()
                 self._work = None
                 self._finish()
@@ -335,8 +340,12 @@ def _close_events(opened: list[tuple[_Recording, _Open]]) -> None:
 
 
 def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
-           plan: backends.Plan, then: Callable[[], object] | None = None, src: int = 0) -> Handle:
-    with _inside_zerolab():
+           plan: backends.Plan, then: Callable[[], object] | None = None, src: int = 0,
+           peer: int = -1) -> Handle:
+    # The flight recorder's entry: a numbered collective, or a send/recv to or from `peer`.
+    flown = flight.issue(op, tag, tensor, group, async_op, peer=src if op == "broadcast" else peer,
+                         kind=flight.P2P if peer >= 0 else flight.COLLECTIVE)
+    with _inside_zerolab(), flight.calling(flown, blocking=not async_op):
         opened = _open_events(op, tag, tensor, group, async_op, plan, src)
         work = plan.call()
 
@@ -345,9 +354,10 @@ def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool
             then()
         if opened:
             _close_events(opened)
+        flight.complete(flown)
 
     # A synchronous call has completed when it returns: its Handle is done at once.
-    return Handle(work if async_op else None, finish)
+    return Handle(work if async_op else None, finish, flown)
 
 
 def _average_after(tensor: torch.Tensor, op: str, group) -> Callable[[], None] | None:
@@ -396,6 +406,18 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str,
     return _issue("all_gather", tag, output, group, async_op, plan)
 
 
+def all_to_all(output: torch.Tensor, input: torch.Tensor, *, tag: str,
+               group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
+    """input, output: (world_size, ...) or (world_size * k,), the same size on every rank: chunk
+    j of this rank's input lands in chunk r of rank j's output (r: this rank). An all-gather
+    sends every rank the same chunk; an all-to-all sends each rank its own one.
+
+    S (nbytes) is the input's bytes; each rank sends every chunk but its own: (N-1)/N·S.
+    """
+    plan = backends.all_to_all(output, input, group, async_op)
+    return _issue("all_to_all", tag, input, group, async_op, plan)
+
+
 def broadcast(tensor: torch.Tensor, src: int, *, tag: str,
               group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
     """In place: every rank ends with rank `src`'s `tensor` (src is a global rank).
@@ -417,10 +439,10 @@ def barrier(*, tag: str, group: dist.ProcessGroup | None = None) -> None:
 def send(tensor: torch.Tensor, dst: int, *, tag: str,
          group: dist.ProcessGroup | None = None) -> None:
     _issue("send", tag, tensor, group, False,
-           backends.native("send", group, lambda: dist.send(tensor, dst, group=group)))
+           backends.native("send", group, lambda: dist.send(tensor, dst, group=group)), peer=dst)
 
 
 def recv(tensor: torch.Tensor, src: int, *, tag: str,
          group: dist.ProcessGroup | None = None) -> None:
     _issue("recv", tag, tensor, group, False,
-           backends.native("recv", group, lambda: dist.recv(tensor, src, group=group)))
+           backends.native("recv", group, lambda: dist.recv(tensor, src, group=group)), peer=src)

@@ -57,7 +57,13 @@ class Engine(Protocol):
 @runtime_checkable
 class ShardedEngine(Engine, Protocol):
     """An Engine that says which part of every parameter this rank holds: what a checkpoint
-    writes and loads (zerolab.checkpoint), at any world size. zerolab's engines keep it."""
+    writes and loads (zerolab.checkpoint), at any world size. zerolab's engines keep it.
+
+    Its sharded state dict, in torch.distributed.checkpoint's terms, is read from this layout
+    (zerolab.parts.state_dicts): `engine_state_dict(engine)` gives this rank's part, keyed as
+    the plain model's state_dict ("model") and FSDP2's get_optimizer_state_dict
+    ("optimizer"), each tensor as the rectangles of it this rank holds; and
+    `load_engine_state_dict(engine, full)` loads full tensors, each rank taking its part."""
 
     name: str  # first part of every comm tag: "zero2"
     rank: int  # this rank in `group`
@@ -134,9 +140,11 @@ def info(key: str) -> EngineInfo:
     return ENGINES[key]
 
 
-def label(key: str) -> str:
-    """How the course names an engine: "ZeRO-2", "torch FSDP2 (fully_shard)"."""
-    return info(key).label
+def label(key: str, beside_torch: bool = False) -> str:
+    """How the course names an engine: "ZeRO-2", "torch FSDP2 (fully_shard)"; beside torch's
+    engines (a table of both), zerolab's say so: "zerolab ZeRO-2"."""
+    e = info(key)
+    return f"zerolab {e.label}" if beside_torch and not e.is_torch else e.label
 
 
 def engine_class(key: str) -> type:

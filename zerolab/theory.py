@@ -61,12 +61,9 @@ STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 ALL_REDUCE_ZERO1 = "ZeRO-1 (all-reduce)"
 
 _STAGE_ALIASES = {
-    "ddp": "DDP", "0": "DDP", "zero0": "DDP",
-    "zero1": "ZeRO-1", "1": "ZeRO-1",
-    "zero2": "ZeRO-2", "2": "ZeRO-2",
-    "zero3": "ZeRO-3", "3": "ZeRO-3", "fsdp": "ZeRO-3",
-    "zero1allreduce": ALL_REDUCE_ZERO1, "zero1(allreduce)": ALL_REDUCE_ZERO1,
-}
+    "ddp": "DDP", "0": "DDP", "zero0": "DDP", "zero1": "ZeRO-1", "1": "ZeRO-1",
+    "zero2": "ZeRO-2", "2": "ZeRO-2", "zero3": "ZeRO-3", "3": "ZeRO-3", "fsdp": "ZeRO-3",
+    "zero1allreduce": ALL_REDUCE_ZERO1, "zero1(allreduce)": ALL_REDUCE_ZERO1}
 
 
 def stage_name(stage: str | int) -> str:
@@ -131,18 +128,10 @@ class ModelStates:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer}
 
 
-def model_state_memory(
-    num_params: float,
-    world_size: int = 1,
-    stage: str | int = "DDP",
-    *,
-    precision: str = "fp32",
-    optimizer: str = "adam",
-    k: float | None = None,
-    param_bytes: float | None = None,
-    grad_bytes: float | None = None,
-    fp32_grad_accum: bool = False,
-) -> ModelStates:
+def model_state_memory(num_params: float, world_size: int = 1, stage: str | int = "DDP", *,
+                       precision: str = "fp32", optimizer: str = "adam", k: float | None = None,
+                       param_bytes: float | None = None, grad_bytes: float | None = None,
+                       fp32_grad_accum: bool = False) -> ModelStates:
     """Model-state bytes per rank (params, grads, optimizer) for one stage.
 
     Each stage shards one more category over the N ranks; the rest stay replicated:
@@ -178,21 +167,16 @@ def model_state_memory(
 
 
 def memory_formula(stage: str | int, **kwargs) -> str:
-    """The per-rank formula as text, e.g. 'ZeRO-2' -> '4Ψ + 12Ψ/N' (fp32 Adam).
-
-    Takes `model_state_memory`'s keyword arguments (precision, optimizer, k, ...).
-    """
+    """The per-rank formula as text, e.g. 'ZeRO-2' -> '4Ψ + 12Ψ/N' (fp32 Adam). Takes
+    `model_state_memory`'s keyword arguments (precision, optimizer, k, ...)."""
     # Bytes per parameter at N=1 and N=2 give the replicated part R and the sharded part S of
     # R + S/N: m1 = R + S and m2 = R + S/2.
     m1 = model_state_memory(1, 1, stage, **kwargs).total
     m2 = model_state_memory(1, 2, stage, **kwargs).total
     sharded = 2 * (m1 - m2)
     replicated = m1 - sharded
-    terms = []
-    if replicated:
-        terms.append(f"{replicated:g}Ψ")
-    if sharded:
-        terms.append(f"{sharded:g}Ψ/N")
+    terms = [text for text, x in ((f"{replicated:g}Ψ", replicated), (f"{sharded:g}Ψ/N", sharded))
+             if x]
     return " + ".join(terms) or "0"
 
 
@@ -215,23 +199,21 @@ def deepspeed_zero2_bytes(num_params: float, world_size: int) -> float:
 
 def deepspeed_zero3_bytes(num_params: float, world_size: int,
                           largest_layer_params: float = 0) -> float:
-    """DeepSpeed's ZeRO-3 estimate per GPU without offload: 4·L + 18Ψ/N.
-
-    L is the largest layer's parameter count: ZeRO-3 must gather one layer whole to run it,
-    so that much must stay free on top of the 18 bytes per parameter shard.
-    """
+    """DeepSpeed's ZeRO-3 estimate per GPU without offload: 4·L + 18Ψ/N. L is the largest
+    layer's parameter count: ZeRO-3 must gather one layer whole to run it, so that much must
+    stay free on top of the 18 bytes per parameter shard."""
     return 4 * largest_layer_params + 18 * num_params / world_size
 
 
 # --- communication ------------------------------------------------------------------------------
 
-_RING_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}
+_RING_FACTOR = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1, "all_to_all": 1}
 
 
 def _op_name(op: str) -> str:
     key = op.lower().replace("-", "_").replace(" ", "_")
     key = {"allreduce": "all_reduce", "reducescatter": "reduce_scatter",
-           "allgather": "all_gather"}.get(key, key)
+           "allgather": "all_gather", "alltoall": "all_to_all"}.get(key, key)
     if key not in _RING_FACTOR:
         raise ValueError(f"unknown collective {op!r}; expected one of {list(_RING_FACTOR)}")
     return key
@@ -241,7 +223,8 @@ def ring_sent_bytes(op: str, nbytes: float, world_size: int) -> float:
     """Bytes one rank sends for a collective on a tensor of `nbytes` (S) with a ring algorithm.
 
     all_reduce: 2(N-1)/N·S (a reduce-scatter then an all-gather); reduce_scatter and
-    all_gather: (N-1)/N·S (each rank passes on N-1 chunks of S/N). One rank sends nothing.
+    all_gather: (N-1)/N·S (each rank passes on N-1 chunks of S/N); all_to_all: (N-1)/N·S, S its
+    input (no ring: chunk j goes straight to rank j, all but its own). One rank sends nothing.
     """
     n = world_size
     return _RING_FACTOR[_op_name(op)] * (n - 1) / n * nbytes
@@ -291,13 +274,9 @@ def comm_volume(num_params: float, world_size: int, stage: str | int,
     ops = STEP_COLLECTIVES[stage]
     elements = sum(_RING_FACTOR[op] for op in ops) * num_params
     nbytes = num_params * bytes_per_element
-    return CommVolume(
-        stage=stage,
-        collectives=ops,
-        elements=elements,
-        bytes=elements * bytes_per_element,
-        ring_sent_bytes=sum(ring_sent_bytes(op, nbytes, world_size) for op in ops),
-    )
+    return CommVolume(stage=stage, collectives=ops, elements=elements,
+                      bytes=elements * bytes_per_element,
+                      ring_sent_bytes=sum(ring_sent_bytes(op, nbytes, world_size) for op in ops))
 
 
 # --- model sizes --------------------------------------------------------------------------------
@@ -493,7 +472,29 @@ def longest_sequence(shape: ModelShape, memory_bytes: float, state_bytes: float,
     return lo
 
 
+# --- ZeRO++ (notebook 09): quantised collectives ----------------------------------------------
+
+
+def quantized_bytes(numel: int, bits: int = 8, block: int = 256) -> int:
+    """`numel` values at `bits` (8 or 4) each, in whole bytes, plus an fp32 scale per block.
+    qwZ's int8 (`int8_bytes`): a quarter of fp32, and 4/block of that again for the scales."""
+    return -(-numel * bits // 8) + 4 * -(-numel // block)
+
+
 def int8_bytes(numel: int, block: int = 256) -> int:
-    """ZeRO++'s qwZ (notebook 09): `numel` values as int8, one byte each, plus an fp32 scale
-    per block of `block`: a quarter of fp32, and 4/block of that again for the scales."""
-    return numel + 4 * -(-numel // block)
+    """ZeRO++'s qwZ: `numel` values as int8 with an fp32 scale per block of `block`."""
+    return quantized_bytes(numel, 8, block)
+
+
+def qgz_sent_bytes(numel: int, world_size: int, node_size: int, bits: int = 8,
+                   block: int = 256) -> tuple[int, int]:
+    """ZeRO++'s qgZ: bytes one rank sends (inside its node, to other nodes) to reduce-scatter
+    `numel` gradients over N ranks in R nodes of k (c = numel/N each; q = quantized_bytes).
+    Hop 1, inside the node: to each of its k-1 peers the R chunks that peer carries across
+    nodes, (k-1)·q(R·c). Hop 2, across: the node's sum of each other node's chunk, (R-1)·q(c).
+    ZeRO-3's fp32 reduce-scatter sends (N-k)·4c = (R-1)·k·4c across: qgZ is q(c)/(4kc) of it,
+    about (bits/8 + 4/block)/(4k): 0.127 for int8 with k = 2."""
+    k, r = node_size, world_size // node_size
+    chunk = numel // world_size
+    return (k - 1) * quantized_bytes(r * chunk, bits, block), (r - 1) * quantized_bytes(
+        chunk, bits, block)

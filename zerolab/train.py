@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -33,7 +34,7 @@ import torch.distributed as dist
 import zerolab
 from zerolab import engines, harness
 from zerolab.data import Corpus
-from zerolab.launcher import finish_torchrun_job
+from zerolab.launcher import choose_backend, finish_torchrun_job
 from zerolab.launcher.progress import ProgressBar, ProgressFile, follow_progress
 from zerolab.models import GPT, GPTConfig, num_params
 from zerolab.wire.trace import save_chrome_trace
@@ -62,11 +63,58 @@ class TrainConfig:
     backend: str | None = None  # spawn only: None picks nccl with a GPU per rank, else gloo
     progress: bool = True  # a progress bar on stderr
 
-    def check(self) -> None:
+    def problems(self) -> list[str]:
+        """What is wrong with this configuration, said per option (empty: nothing)."""
+        found = []
         if self.engine not in ENGINES:
-            raise ValueError(f"unknown engine {self.engine!r}; choose from {list(ENGINES)}")
-        if self.steps < 1:
-            raise ValueError("steps must be at least 1")
+            found.append(f"unknown engine {self.engine!r}; choose from {list(ENGINES)}")
+        for name in ("steps", "world_size", "batch_size", "block_size", "n_layer", "n_head",
+                     "n_embd", "log_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                found.append(f"{name} must be a positive integer, got {value!r}")
+        sizes = (self.n_head, self.n_embd)
+        if all(isinstance(v, int) and v >= 1 for v in sizes) and self.n_embd % self.n_head:
+            found.append(f"n_head={self.n_head} must divide n_embd={self.n_embd} (each head "
+                         f"gets n_embd / n_head dimensions)")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            found.append(f"lr must be a positive number, got {self.lr!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            found.append(f"weight_decay must be a number >= 0, got {self.weight_decay!r}")
+        tokens = len(Corpus.builtin().tokens)
+        if isinstance(self.block_size, int) and self.block_size >= tokens:
+            found.append(f"block_size={self.block_size} needs a text longer than the built-in "
+                         f"corpus's {tokens} characters")
+        if self.trace and self.trace == self.json:
+            found.append(f"--trace and --json both write {self.trace}")
+        if not under_torchrun() or os.environ.get("RANK") == "0":  # rank 0 writes them
+            for path in (self.trace, self.json):
+                problem = unwritable(path) if path else None
+                if problem:
+                    found.append(problem)
+        return found
+
+    def check(self) -> None:
+        """Raise ValueError naming every problem (before any rank starts)."""
+        found = self.problems()
+        if found:
+            raise ValueError("; ".join(found))
+
+
+def unwritable(path: str) -> str | None:
+    """Why `path` cannot be written (a missing folder, no permission, a directory), or None.
+    Tried for real: opened for appending, and removed again if it did not exist."""
+    if os.path.isdir(path):
+        return f"{path} is a directory, not a file to write"
+    existed = os.path.exists(path)
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        return f"cannot write {path}: {e.strerror}"
+    if not existed:
+        os.remove(path)
+    return None
 
 
 def train_worker(config: TrainConfig,
@@ -189,8 +237,9 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
         return result
     bar = ProgressBar(f"train {config.engine}") if config.progress else None
     with follow_progress(bar) if bar else contextlib.nullcontext() as sink:
+        # The launch's timeout is an idle one: hung ranks are stopped, long training is not.
         results = zerolab.launch(train_worker, config.world_size, args=(config, sink),
-                                 backend=config.backend, timeout=3600)
+                                 backend=config.backend)
     if not config.progress:  # the ranks' loss log went to their own logs: print it here
         for i, loss in enumerate(results[0]["losses"]):
             if i % config.log_every == 0 or i == len(results[0]["losses"]) - 1:
@@ -198,33 +247,60 @@ def run(config: TrainConfig) -> dict[str, Any] | None:
     return results[0]
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse turns the ValueError into a usage error)."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def parse_args(argv: list[str] | None = None) -> TrainConfig:
+    """The command line as a TrainConfig; a usage error (exit status 2) for any bad value, an
+    unwritable --json or --trace included, before anything is trained."""
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m zerolab.train",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=list(ENGINES), default=d.engine)
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--world-size", type=int, default=d.world_size,
+    p.add_argument("--steps", type=positive_int, default=d.steps)
+    p.add_argument("--world-size", type=positive_int, default=d.world_size,
                    help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
+    p.add_argument("--batch-size", type=positive_int, default=d.batch_size,
                    help="sequences per rank per step")
-    p.add_argument("--block-size", type=int, default=d.block_size)
-    p.add_argument("--n-layer", type=int, default=d.n_layer)
-    p.add_argument("--n-head", type=int, default=d.n_head)
-    p.add_argument("--n-embd", type=int, default=d.n_embd)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--log-every", type=int, default=d.log_every)
+    p.add_argument("--block-size", type=positive_int, default=d.block_size)
+    p.add_argument("--n-layer", type=positive_int, default=d.n_layer)
+    p.add_argument("--n-head", type=positive_int, default=d.n_head,
+                   help="attention heads (must divide --n-embd)")
+    p.add_argument("--n-embd", type=positive_int, default=d.n_embd)
+    p.add_argument("--lr", type=positive_float, default=d.lr)
+    p.add_argument("--log-every", type=positive_int, default=d.log_every)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace")
     p.add_argument("--json", metavar="PATH", help="write losses and the summary as JSON")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="spawn only (default: auto)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     a = p.parse_args(argv)
-    return TrainConfig(engine=a.engine, steps=a.steps, world_size=a.world_size,
-                       batch_size=a.batch_size, block_size=a.block_size, n_layer=a.n_layer,
-                       n_head=a.n_head, n_embd=a.n_embd, lr=a.lr, log_every=a.log_every,
-                       seed=a.seed, trace=a.trace, json=a.json, backend=a.backend,
-                       progress=not a.no_progress)
+    config = TrainConfig(engine=a.engine, steps=a.steps, world_size=a.world_size,
+                         batch_size=a.batch_size, block_size=a.block_size, n_layer=a.n_layer,
+                         n_head=a.n_head, n_embd=a.n_embd, lr=a.lr, log_every=a.log_every,
+                         seed=a.seed, trace=a.trace, json=a.json, backend=a.backend,
+                         progress=not a.no_progress)
+    problems = config.problems()
+    if not under_torchrun():
+        try:  # NCCL without a GPU per rank, refused now rather than by the launch
+            choose_backend(config.world_size, config.backend)
+        except ValueError as e:
+            problems.append(str(e))
+    if problems:
+        p.error("; ".join(problems))
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,8 @@ What changes from DDP (ddp.py):
   updates its shard, and the parameters are all-gathered (Ψ): 2Ψ per step, like DDP.
 - prefetch (default): the all-gathers are issued at the end of step() without waiting; each
   module waits, in a forward pre-hook, only for the buckets holding its own parameters, so the
-  gather overlaps the next forward. `ZeRO1AfterBackward` keeps the schedule as the paper draws
-  it (reduce-scatter after backward, all-gather before step() returns): same bytes, no overlap.
+  gather overlaps the next forward. `ZeRO1AfterBackward` runs every collective after backward
+  (reduce-scatter in step(), all-gather before step() returns): same bytes, no overlap.
 
 `ZeRO1AllReduce` is the version many tutorials show: all-reduce the full gradient (2Ψ), keep your
 shard of it, then all-gather the parameters (Ψ): 3Ψ, half as much again (1.5x) for the same
@@ -163,9 +163,9 @@ class ZeRO1AllReduce(ZeRO1):
 
 
 class ZeRO1AfterBackward(ZeRO1):
-    """ZeRO-1 on the paper's schedule: reduce-scatter once backward is over, all-gather before
-    step() returns. The same bytes as ZeRO1; nothing overlaps (notebook 03 sets them side by
-    side on a timeline)."""
+    """ZeRO-1 with its collectives after backward: reduce-scatter once backward is over,
+    all-gather before step() returns. The same bytes as ZeRO1; nothing overlaps (notebook 03
+    sets them side by side on a timeline)."""
 
     name = "zero1_after_backward"
 

@@ -19,9 +19,13 @@ What changes from ZeRO-2 (zero2.py):
   previous in backward) is issued asynchronously, so communication overlaps compute.
 - One bucket per unit: ZeRO-3 reduces a unit's gradients when its backward is over, so
   `bucket_bytes` has no meaning here and is refused.
+- reshard_after_forward=False (FSDP2's knob of that name): units stay gathered from their
+  forward to their backward, which then gathers nothing: 2Ψ per step instead of 3Ψ, for the
+  whole model's parameters at the peak (ZeRO-2's). (FSDP2's int, a smaller group to reshard
+  to, is ZeRO++'s hpZ: zeropp.ZeroPP(secondary_shard_size=k).)
 
-ZeRO++ (zeropp.py) subclasses this file: it changes how a unit's weights travel (`_gather`),
-not when.
+ZeRO++ (zeropp.py) subclasses this file: it changes how a unit's weights travel (`_gather`)
+and how its gradients are reduced (`_reduce`), not when.
 
 Which parameters form each unit (and the root, the model itself, which holds the embeddings,
 the final LayerNorm and any weight two units share) is decided by `make_units` (units.py)
@@ -61,7 +65,8 @@ class ZeRO3(ZeRO2):
         return super().__new__(cls)
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 units: Sequence[UnitSpec] | None = None, prefetch: bool = True, **kwargs):
+                 units: Sequence[UnitSpec] | None = None, prefetch: bool = True,
+                 reshard_after_forward: bool = True, **kwargs):
         if "bucket_bytes" in kwargs:
             raise TypeError("ZeRO3 takes no bucket_bytes: each unit's gradients are reduced as "
                             "one bucket when its backward is over. Choose the units instead "
@@ -72,6 +77,7 @@ class ZeRO3(ZeRO2):
                                 f"zerolab.ZeroPP)")
         self.units = make_units(model, units)  # which parameters each unit gathers, root last
         self.root = self.units[-1]
+        self.reshard_after_forward = reshard_after_forward  # False: keep units for backward
         super().__init__(model, optimizer_cls, prefetch=prefetch, **kwargs)
         self._unit_of = {b.name: u for u in self.units for b in u.buckets}
 
@@ -183,7 +189,8 @@ class ZeRO3(ZeRO2):
         if unit.in_backward:  # a checkpoint's recompute: keep the unit for its backward
             return
         for u in self.units if unit is self.root else [unit]:  # root: the forward is over
-            self.reshard(u)
+            if self.reshard_after_forward:
+                self.reshard(u)
         for t in tensors_in(output):
             if t.requires_grad:  # fires when the gradient w.r.t. this output is ready
                 t.register_hook(lambda grad, u=unit: self.pre_backward(u))

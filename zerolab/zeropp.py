@@ -4,8 +4,9 @@
                             secondary_shard_size=2, lr=1e-3)
     # the same engine, as design.md spells it: zerolab.ZeRO3(model, ..., quantize_weights=True)
 
-What changes from ZeRO-3 (zero3.py): only how a unit's weights travel (`_gather`), and hpZ's
-secondary shard kept between forward and backward (`post_forward`, `post_backward`).
+What changes from ZeRO-3 (zero3.py): how a unit's weights travel (`_gather`), hpZ's secondary
+shard kept between forward and backward (`post_forward`, `post_backward`), and how its
+gradients are reduced (`_reduce`, `quantized_reduce_scatter`).
 
 ZeRO-3 all-gathers each unit twice per step, in forward and again in backward, over every rank:
 2Ψ of its 3Ψ, and on a cluster most of it crosses the slow links between nodes. ZeRO++ (Wang et
@@ -20,14 +21,18 @@ al., 2023, https://arxiv.org/abs/2306.10209) cuts that:
   the cost of Ψ/k more parameter memory per rank between forward and backward. (With qwZ too,
   the secondary shard is cut from the forward's dequantized weights, so backward computes with
   them as well: the exact weights never crossed the nodes.)
-- qgZ (int4 gradients with a hierarchical all-to-all reduce-scatter) is not built here: it
-  replaces the reduce-scatter by two all-to-alls with quantisation between them, which needs
-  an all-to-all that zerolab's gloo path does not time or measure well. The notebook accounts
-  for it on paper.
+- qgZ, quantize_grads=True ("int8", or "int4"): the gradients' reduce-scatter sends block-
+  quantised chunks, in two all-to-alls: inside the node, then across nodes (below). The nodes
+  are hpZ's (secondary_shard_size=k) or node_size=k. The optimizer steps with the result.
 
 The paper's accounting, per step, across nodes: ZeRO-3 3Ψ (Ψ forward gather, Ψ backward
 gather, Ψ reduce-scatter) -> qwZ 0.5Ψ (fp16 -> int8) + hpZ 0 + qgZ 0.25Ψ = 0.75Ψ, "4x less".
 In fp32, as zerolab trains, int8 is a quarter of the forward gather, not a half.
+
+qgZ sends int8 by default: from zerolab's fp32 gradients that is the paper's ratio (its int4
+of fp16: a quarter of the bytes), rounded 18 times finer than int4 (a step of max/127 against
+max/7), and each value is rounded twice. quantize_grads="int4" packs two values per byte and
+halves the bytes again; notebook 09 measures what each costs the loss.
 """
 
 from __future__ import annotations
@@ -37,28 +42,43 @@ import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
+from zerolab.memory import InFlight
 from zerolab.parts.mesh import Nodes, make_nodes
-from zerolab.parts.quantize import BLOCK, dequantize_int8, quantize_int8
+from zerolab.parts.quantize import (
+    BLOCK,
+    dequantize_int8,
+    dequantize_rows,
+    quantize_int8,
+    quantize_rows,
+)
+from zerolab.sharding import flatten
 from zerolab.units import Unit
 from zerolab.wire.backends import Joined
 from zerolab.zero2 import GradShardedBucket
 from zerolab.zero3 import ZeRO3
 
+GRAD_BITS = {True: 8, "int8": 8, "int4": 4}  # quantize_grads= -> bits per gradient value
+
 
 class ZeroPP(ZeRO3):
-    """ZeRO-3 with qwZ (int8 forward gather) and/or hpZ (a secondary shard: backward gathers
-    inside the node)."""
+    """ZeRO-3 with qwZ (int8 forward gather), hpZ (a secondary shard: backward gathers inside
+    the node) and/or qgZ (quantised gradients, reduced inside then across nodes)."""
 
     name = "zeropp"
-    options = ("quantize_weights", "secondary_shard_size")
+    options = ("quantize_weights", "secondary_shard_size", "quantize_grads", "node_size")
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
                  quantize_weights: bool = False, secondary_shard_size: int | None = None,
-                 **kwargs):
-        # hpZ's nodes first: ZeRO-3's set-up reshards every unit (post_backward is not run).
+                 quantize_grads: bool | str = False, node_size: int | None = None, **kwargs):
+        # The nodes first: ZeRO-3's set-up reshards every unit (post_backward is not run).
         self.quantize_weights = quantize_weights
-        self.nodes: Nodes | None = (make_nodes(secondary_shard_size, kwargs.get("group"))
-                                    if secondary_shard_size else None)
+        self.secondary_shard_size = secondary_shard_size  # hpZ: None or 0 is off
+        self.grad_bits = _grad_bits(quantize_grads, secondary_shard_size, node_size)
+        size, group = secondary_shard_size or node_size, kwargs.get("group")
+        if size and not secondary_shard_size and dist.get_world_size(group) % size:
+            raise ValueError(f"{dist.get_world_size(group)} ranks do not split into nodes of "
+                             f"node_size={size}")
+        self.nodes: Nodes | None = make_nodes(size, group) if size else None
         self.secondary: dict[str, torch.Tensor] = {}  # bucket name -> (padded_numel / k,)
         super().__init__(model, optimizer_cls, **kwargs)
 
@@ -95,7 +115,7 @@ class ZeroPP(ZeRO3):
     # ---- hpZ: the secondary shard, from forward to backward ------------------------------------
 
     def post_forward(self, unit: Unit, output) -> None:
-        if self.nodes is not None and not unit.in_backward:
+        if self.secondary_shard_size and not unit.in_backward:
             for u in self.units if unit is self.root else [unit]:  # what is about to be freed
                 for b in u.buckets if u.unsharded else []:
                     self._keep_secondary(b)
@@ -117,3 +137,110 @@ class ZeroPP(ZeRO3):
         state = super().state_tensors()
         state["params"] = state["params"] + list(self.secondary.values())
         return state
+
+    # ---- qgZ: the gradients' reduce-scatter, quantised, in two hops ----------------------------
+
+    def _reduce(self, bucket: GradShardedBucket, phase: str) -> None:
+        """ZeRO-2's _reduce (zero2.py) with qgZ's exchange in place of its reduce-scatter."""
+        if self.grad_bits is None:
+            return super()._reduce(bucket, phase)
+        self._wait_pending()  # at most one bucket in flight: bounded memory
+        bucket.reduced = True
+        full = flatten([p.grad if p.grad is not None else torch.zeros(
+            shape, dtype=bucket.flat_param.dtype, device=bucket.flat_param.device)
+            for p, shape in zip(bucket.params, bucket.layout.shapes)], bucket.layout)
+        for p in bucket.params:
+            p.grad = None  # (padded_numel,) `full` is all that is left of them
+        received = torch.empty_like(bucket.grad_shard)  # (shard_numel,), added by _accumulate
+        self.in_flight.add(full, received)
+        bucket.grad_is_zero = False
+        handle = quantized_reduce_scatter(received, full, self.nodes, bits=self.grad_bits,
+                                          tag=f"{self.name}/{phase}/{bucket.name}",
+                                          in_flight=self.in_flight)
+        self._pending.append((handle, lambda: self._accumulate(bucket, received, full)))
+
+
+def _grad_bits(quantize_grads: bool | str, secondary_shard_size: int | None,
+               node_size: int | None) -> int | None:
+    """qgZ's bits per gradient value (None: off), once its arguments are known to make sense."""
+    if not quantize_grads:
+        if node_size:
+            raise TypeError(f"node_size={node_size} says where qgZ's nodes are, and qgZ is off: "
+                            f"pass quantize_grads=True too (hpZ's nodes: secondary_shard_size)")
+        return None
+    if not (quantize_grads is True or quantize_grads in ("int8", "int4")):
+        raise ValueError(f"quantize_grads={quantize_grads!r}: expected True (int8), 'int8' or "
+                         f"'int4'")
+    if not dist.is_initialized():
+        raise ValueError("qgZ needs a process group: run it on ranks (zerolab.launch)")
+    if not (secondary_shard_size or node_size):
+        raise ValueError("qgZ reduces inside each node, then across nodes: say what a node is, "
+                         "node_size=k (k consecutive ranks per node) or, with hpZ, "
+                         "secondary_shard_size=k")
+    if secondary_shard_size and node_size and secondary_shard_size != node_size:
+        raise ValueError(f"secondary_shard_size={secondary_shard_size} and node_size={node_size} "
+                         f"name different nodes: hpZ and qgZ share one, give one of them")
+    return GRAD_BITS[quantize_grads]
+
+
+# Note: qgZ's reduce-scatter, on N = R·k ranks: R nodes of k consecutive ranks. Rank r = n·k + j
+# (node n, place j) owns chunk r of the flat gradient, as in ZeRO-3; view the gradient as
+# (R, k, c), c = 1/N of it per chunk, so that chunk m·k + j is [m, j].
+# - Hop 1, inside the node: rank j of the node must end with the node's sum of the chunks it
+#   will carry across, [m, j] for every node m. So each rank sends [:, j] (R·c values) to the
+#   node's rank j: the gradient is reordered to (k, R·c) first (the paper's "tensor slice
+#   reordering"), quantised row by row, exchanged in one all-to-all, dequantised and summed.
+# - Hop 2, across nodes, between the ranks at place j of every node: the node's sum [m, j] is
+#   re-quantised and sent to node m's rank j, who owns chunk m·k + j. Summed and divided by N:
+#   this rank's averaged chunk, where ZeRO-3's reduce-scatter puts it.
+# A ring reduce-scatter would have to quantise again at every one of its N-1 steps; here each
+# value is rounded twice at most. Only hop 2 crosses nodes, and each rank carries 1/k of its
+# node's share: of a gradient of P values, ZeRO-3's fp32 reduce-scatter sends (R-1)/R·P values
+# of 4 bytes across, qgZ (R-1)/R·P/k of about 1 byte (theory.qgz_sent_bytes). A hop over one
+# rank (nodes of one, or one node) sends nothing and rounds nothing.
+
+
+def quantized_reduce_scatter(output: torch.Tensor, input: torch.Tensor, nodes: Nodes, *,
+                             tag: str, bits: int = 8, in_flight: InFlight | None = None) -> Joined:
+    """output (c,) <- the average over every rank of its input's (N·c,) chunk r, r this rank's
+    place among the ranks of `nodes`: ZeRO-3's averaging reduce-scatter, with quantised chunks
+    on the wire (see the Note). Hop 1 is issued now; wait() finishes it and runs hop 2 (with
+    nodes of one rank, hop 2 is all there is, and wait() runs it)."""
+    k, r, c = nodes.size, nodes.count, output.numel()
+    rows = input.view(r, k, c).transpose(0, 1).reshape(k, r * c)  # (k, R·c): row j to rank j
+    inside = _Hop(rows, bits, nodes.node, f"{tag}.node", in_flight)
+
+    def across() -> None:
+        node_sum = inside.received().sum(0).view(r, c)  # (R, c): [m] is chunk m·k + j's
+        hop = _Hop(node_sum, bits, nodes.across, f"{tag}.across", in_flight)
+        output.copy_(hop.received().sum(0).div_(k * r))  # (c,) every rank's chunk r, averaged
+
+    return Joined(inside.handles, across)
+
+
+class _Hop:
+    """One all-to-all of quantised rows: row j of `rows` (group size, m) to the group's rank j."""
+
+    def __init__(self, rows: torch.Tensor, bits: int, group: dist.ProcessGroup, tag: str,
+                 in_flight: InFlight | None):
+        self.bits, self.numel, self.handles = bits, rows.shape[1], []
+        if dist.get_world_size(group) == 1:  # nothing leaves this rank: nothing to round
+            self.local = rows
+            return
+        self.sent = quantize_rows(rows, bits)  # values (size, bytes per row), scales (size, b)
+        self.q, self.scales = (torch.empty_like(t) for t in self.sent)  # row i: from rank i
+        if in_flight is not None:
+            in_flight.add(*self.sent, self.q, self.scales)
+        self.handles = [
+            comm.all_to_all(self.q, self.sent[0], tag=f"{tag}.int{bits}", group=group,
+                            async_op=True),
+            comm.all_to_all(self.scales, self.sent[1], tag=f"{tag}.scales", group=group,
+                            async_op=True)]
+
+    def received(self) -> torch.Tensor:
+        """(group size, m) fp32: row i as rank i sent it, dequantised."""
+        if not self.handles:
+            return self.local
+        for handle in self.handles:
+            handle.wait()
+        return dequantize_rows(self.q, self.scales, self.numel, self.bits)

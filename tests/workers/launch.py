@@ -232,3 +232,65 @@ def unseeded_draws():
 
     import numpy as np
     return (torch.rand(4).tolist(), np.random.rand(4).tolist(), [random.random() for _ in range(4)])
+
+
+# --- added for the launch's idle timeout, loopback and clean-up (test_launch*.py) -------------
+
+
+def listening_addresses():
+    """The addresses this rank's sockets listen on (gloo's), after a collective."""
+    import psutil
+
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return sorted({c.laddr.ip for c in psutil.Process().net_connections("inet")
+                   if c.status == psutil.CONN_LISTEN})
+
+
+def slow_but_progressing(compute_s, steps, pause_s):
+    """Longer than a short timeout, but never idle: rank 1 computes for compute_s while rank 0
+    waits for it in an all-reduce (CPU: progress), then every rank sleeps pause_s between
+    all-reduces, steps times (collectives: progress)."""
+    t = torch.ones(1)
+    if dist.get_rank() == 1:
+        end = time.perf_counter() + compute_s
+        x = torch.rand(64, 64)
+        while time.perf_counter() < end:
+            x = (x @ x).softmax(-1)  # busy
+    dist.all_reduce(t)
+    for _ in range(steps):
+        time.sleep(pause_s)
+        dist.all_reduce(t)
+    return t.item()
+
+
+def start_children(folder, then):
+    """Start two grandchildren that would sleep for 10 minutes (one in this rank's process
+    group, one in a session of its own), note their pids in `folder`, then `then`: "return",
+    "raise", "hang" (rank 0 waits in an all-reduce rank 1 never joins) or "sleep"."""
+    import subprocess
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    kids = [subprocess.Popen(sleeper), subprocess.Popen(sleeper, start_new_session=True)]
+    rank = dist.get_rank()
+    (Path(folder) / f"kids-{rank}").write_text(" ".join(str(k.pid) for k in kids))
+    (Path(folder) / f"rank-{rank}").write_text(str(os.getpid()))
+    if then == "raise":
+        raise RuntimeError("a rank that failed after starting children")
+    if then == "hang" and rank == 0:
+        dist.all_reduce(torch.ones(1))
+    if then in ("hang", "sleep"):
+        time.sleep(600)
+    return rank
+
+
+class Unpicklable:
+    """An argument that cannot be sent to the ranks."""
+
+    def __reduce__(self):
+        raise TypeError("this object refuses to be pickled")
+
+
+def set_order() -> tuple[str, ...]:
+    """The order in which this rank iterates a set of parameter-like names."""
+    return tuple({f"blocks.{i}.{part}" for i in range(8) for part in ("attn", "mlp", "ln")})

@@ -1,4 +1,5 @@
-"""Workers for tests/test_nodes.py: 4 ranks as 2 "nodes" of 2 (HSDP, ZeRO++, per-peer bytes)."""
+"""Workers for tests/test_hsdp.py, test_zeropp.py, test_peers.py and the checkpoints across world
+sizes in test_checkpoint.py: 4 ranks as 2 "nodes" of 2 (HSDP, ZeRO++, per-peer bytes)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ STEPS = 4
 GLOBAL_BATCH = 12  # divides by 2, 3 and 4
 LR = 1e-2
 NODE = 2  # ranks per node
+YARDSTICK_MULTIPLE = 5  # allowed distance from the reference, in units of torch DDP's
 VARIANTS = {  # name -> (engine, keyword arguments)
     "ddp": ("ddp", {}),
     "zero2": ("zero2", {}),

@@ -25,8 +25,7 @@ MEMORY_TARGETS = {"zero3": 1.0}  # peak bytes per rank vs the counterpart's
 
 def label(key: str) -> str:
     """How the bench's table names an engine: "zerolab ZeRO-2", "torch FSDP2 (fully_shard)"."""
-    info = engines.ENGINES[key]
-    return info.label if info.is_torch else f"zerolab {info.label}"
+    return engines.label(key, beside_torch=True)
 
 
 @dataclass(frozen=True)

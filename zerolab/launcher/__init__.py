@@ -5,7 +5,9 @@
 
 - local.py starts the ranks (forked by zygote.py, or spawned by spawn.py where no zygote runs),
   waits for them, and brings their results back; diagnose.py says what went wrong when a rank
-  fails or hangs.
+  fails or hangs, hangs.py whether ranks still make progress, where each one is and the first
+  collective at which they parted (from their flight recorders, zerolab/wire/flight.py);
+  leftovers.py makes sure nothing outlives a launch (processes, folders, logs).
 - allocator.py makes every rank keep the host memory it frees; progress.py draws a progress bar
   in the caller for work done on rank 0.
 """

@@ -8,6 +8,8 @@ Everything here reads texts (a rank's traceback, its output), not processes: the
 from __future__ import annotations
 
 import ast
+import math
+import numbers
 import os
 import pickle
 import signal
@@ -23,15 +25,23 @@ class LaunchError(RuntimeError):
 
 
 class WorkerError(LaunchError):
-    """A rank failed; `rank` names it and the message says how, with the rank's own output."""
+    """A rank failed; `rank` names it and the message says how, with the rank's own output.
+    `explanation`: where each rank's collectives were, from their flight recorders."""
 
-    def __init__(self, rank: int, message: str):
+    def __init__(self, rank: int, message: str, explanation: str = ""):
         super().__init__(message)
         self.rank = rank
+        self.explanation = explanation
 
 
 class LaunchTimeout(LaunchError):
-    """Ranks were still running at the timeout (often: a rank waiting in a collective)."""
+    """Ranks hung and were stopped: they waited on each other in collectives that could never
+    complete, or made no progress for `timeout` seconds. The message says where each rank was
+    and the first collective at which they differ (`explanation`, that part alone)."""
+
+    def __init__(self, message: str, explanation: str = ""):
+        super().__init__(message)
+        self.explanation = explanation
 
 
 def check_importable(fn: Callable) -> None:
@@ -52,6 +62,44 @@ def check_importable(fn: Callable) -> None:
         pickle.dumps(fn)
     except Exception as e:  # e.g. a bound method of an unpicklable object
         raise ValueError(f"{qualname} cannot be sent to the worker processes: {e}") from e
+
+
+def check_timeout(timeout: object) -> float | None:
+    """A launch's timeout: seconds without progress (a positive, finite number), or None."""
+    if timeout is None:
+        return None
+    if (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+            or not math.isfinite(timeout) or timeout <= 0):
+        raise ValueError(
+            f"timeout must be a positive number of seconds (how long the ranks may go without "
+            f"progress before they are stopped) or None for no limit, got {timeout!r}")
+    return float(timeout)
+
+
+def check_threads(threads: object) -> int | None:
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a positive integer or None, got {threads!r}")
+    return threads
+
+
+def pickled_work(fn: Callable, args: object) -> bytes:
+    """fn and args as the ranks will receive them; a clear error, before anything starts, for
+    arguments that cannot be sent (pickled) to another process."""
+    if isinstance(args, (str, bytes)) or not isinstance(args, (tuple, list)):
+        raise ValueError(f"args must be a tuple (or list) of fn's arguments, got "
+                         f"{type(args).__name__} {args!r:.60}: for one argument write "
+                         f"args=(x,)")
+    for i, arg in enumerate(args):
+        try:
+            pickle.dumps(arg)
+        except Exception as e:
+            raise ValueError(
+                f"args[{i}] ({type(arg).__name__}) cannot be sent to the ranks, which receive "
+                f"their arguments pickled: {e}. Pass what the ranks need to build it instead "
+                f"(a path, a config), or build it inside the function.") from e
+    return pickle.dumps((fn, tuple(args)))
 
 
 # --- the main script: every rank starts by running it again --------------------------------------
@@ -159,27 +207,31 @@ that fails in a fresh process stops the rank (a module not found from there, a r
 work that belongs under `if __name__ == "__main__":`). Its output below shows where."""
 
 
-def timeout_error(stuck: list[int], done: list[int], timeout: float,
-                  fn_name: str) -> LaunchTimeout:
-    """The error for ranks still running at the timeout; `done`: those of them that had
-    returned from fn (and waited for the others at the end)."""
-    busy = [r for r in stuck if r not in done]
-    where = (f": ranks {done} had returned from {fn_name} and waited for ranks {busy}, still "
-             f"in it" if done else "")
-    return LaunchTimeout(
-        f"ranks {stuck} were still running after {timeout:g}s and were killed{where} (a rank "
-        f"waiting in a collective that another rank never joined, or whose tensor sizes differ "
-        f"from the other ranks'?)")
+def hang_error(stuck: list[int], timeout: float, certain: bool, still_s: float,
+               explanation: str) -> LaunchTimeout:
+    """The error for ranks stopped because they hung. certain: a deadlock seen for sure
+    (zerolab.launcher.hangs.deadlocked), their collectives unchanged for still_s seconds; else
+    `timeout` seconds passed without progress. explanation: where each rank was and where their
+    collectives differ."""
+    if certain:
+        head = (f"ranks {stuck} were stopped: they wait on each other in collectives that can "
+                f"never complete (none moved for {still_s:.1f}s)")
+    else:
+        head = (f"ranks {stuck} made no progress for {timeout:g}s (no collective issued or "
+                f"completed, nothing printed, no CPU used) and were stopped")
+    return LaunchTimeout(f"{head}.\n{explanation}", explanation)
 
 
 def failure(rank: int, exitcode: int | None, error: str, output: str,
-            fn_name: str) -> WorkerError:
-    """The error for a rank that failed: what happened, the likely cause, and its output.
+            fn_name: str, explanation: str = "") -> WorkerError:
+    """The error for a rank that failed: what happened, the likely cause, where the ranks'
+    collectives were (`explanation`, from their flight recorders), and its output.
     error: the traceback the rank wrote ("" if none); output: what it printed."""
+    section = f"\n\n{explanation}" if explanation else ""
     if error:
         last_line = error.strip().splitlines()[-1]  # e.g. "KeyError: 'boom'"
-        return WorkerError(rank, f"rank {rank} raised {last_line}\n\n"
-                                 f"Traceback from rank {rank}:\n{error}")
+        return WorkerError(rank, f"rank {rank} raised {last_line}{section}\n\n"
+                                 f"Traceback from rank {rank}:\n{error}", explanation)
     if exitcode is not None and exitcode < 0:  # killed by a signal
         try:
             name = signal.Signals(-exitcode).name
@@ -203,7 +255,7 @@ def failure(rank: int, exitcode: int | None, error: str, output: str,
         head = (f"rank {rank} exited with code {exitcode} without a Python exception: the "
                 f"function, or a library it called, ended the process (os._exit, sys.exit in "
                 f"a thread, exit() in native code).")
-    return WorkerError(rank, head + _output_section(rank, output))
+    return WorkerError(rank, head + section + _output_section(rank, output), explanation)
 
 
 def _output_section(rank: int, output: str, head: int = 10, tail: int = 30) -> str:

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
+from zerolab.launcher import leftovers
+
 
 class ProgressBar:
     """A one-line text progress bar: `bench [#########.........] 12/40 zero3`.
@@ -94,7 +96,9 @@ Progress = ProgressBar | ProgressFile
 @contextlib.contextmanager
 def follow_progress(bar: ProgressBar, poll_s: float = 0.1) -> Iterator[ProgressFile]:
     """Yield a ProgressFile for rank 0; a thread replays what it writes on `bar` meanwhile."""
-    fd, path = tempfile.mkstemp(prefix="zerolab-progress-", suffix=".jsonl")
+    # Named with its owner: if this process is killed, the next launch removes the file.
+    fd, path = tempfile.mkstemp(prefix=f"{leftovers.PROGRESS_PREFIX}{leftovers.owner_id()}-",
+                                suffix=".jsonl")
     os.close(fd)
     stop = threading.Event()
 

@@ -1,7 +1,7 @@
 """Start ranks in milliseconds: fork them from a process that has imported torch already.
 
-    zygote = Zygote.for_this_process()          # started on first use, one per caller
-    rank = zygote.start(target, args, log_path)  # a forked process running target(*args)
+    zygotes = Zygote.for_ranks(world_size)       # started on first use: one per rank index
+    rank = zygotes[r].start(target, args, log_path)  # a forked process running target(*args)
     rank.join(timeout); rank.exitcode
 
 Note: why a zygote. A rank started with multiprocessing's `spawn` method is a new Python that
@@ -19,6 +19,14 @@ notebook kernel) runs threads: Jupyter's, torch's thread pool, gloo's. The zygot
 thread and has run no torch operation when it forks (it starts numpy's BLAS with one thread
 for that reason).
 
+Note: one zygote per rank index. Python picks the seed of its string hashes when it starts,
+and a forked child keeps its parent's: ranks forked from one zygote would iterate a set of
+strings in the same order, where ranks that torchrun starts (new Pythons) do not. A training
+loop that issues collectives in a set's order hangs under torchrun; it must hang here too, not
+pass. So rank r of every launch forks from zygote r, and each zygote starts with a hash seed
+of its own (unless the caller fixed PYTHONHASHSEED, which torchrun's ranks would inherit too).
+Zygote r starts when a launch first needs r + 1 ranks, beside the others.
+
 A forked rank gets what a spawned one would: the caller's environment, working directory,
 sys.path and main script (run again as `__mp_main__`, which is how `fn` defined there is
 found), and nothing else of the caller. torch and zerolab are the modules the zygote imported
@@ -26,7 +34,9 @@ when it started: the same files as the caller's (checked), as of then. A restart
 starts a new zygote.
 
 The zygote dies with its caller: when the caller's end of the socket closes (the caller exited
-or was killed), it kills the ranks still running and exits.
+or was killed), or when it is sent SIGTERM or SIGHUP, it kills the ranks still running (each
+rank leads its own process group: the group goes), whatever else its caller's launches
+started, their folders and its own log, and exits (zerolab/launcher/leftovers.py).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ import multiprocessing.connection
 import multiprocessing.spawn
 import os
 import pickle
+import shutil
 import signal
 import socket
 import struct
@@ -51,6 +62,8 @@ from typing import Any
 
 import torch
 
+from zerolab.launcher import leftovers
+
 # Printed by a rank that failed before its target ran (while it ran the main script again):
 # launch recognises it in the rank's output.
 STARTUP_FAILED = "zerolab: this rank failed while starting"
@@ -61,7 +74,7 @@ running_main_again = False
 
 _INT = struct.Struct("i")  # a pid or an exit code, as the zygote sends them
 _MAX_MESSAGE = 1 << 20  # a start request: the environment, sys.path, a few names
-_PR_SET_PDEATHSIG = 1  # prctl(2): set the signal a process gets when its parent dies
+PR_SET_PDEATHSIG = 1  # prctl(2): set the signal a process gets when its parent dies
 
 
 class ZygoteUnavailable(RuntimeError):
@@ -95,52 +108,82 @@ class ForkedRank:
         return self.exitcode is None
 
     def kill(self) -> None:
-        if self.is_alive():
-            with contextlib.suppress(ProcessLookupError):  # exited since: the zygote reports it
-                os.kill(self.pid, signal.SIGKILL)
+        """Kill the rank and its process group (whatever it started)."""
+        leftovers.kill_group(self.pid)
 
 
 class Zygote:
     """The caller's end: start ranks by asking the zygote process to fork them."""
 
-    _current: Zygote | None = None
-    _current_lock = threading.Lock()
+    _by_index: dict[int, Zygote] = {}  # rank index -> its zygote (this process's)
+    _registry_lock = threading.Lock()
 
     @classmethod
-    def current(cls) -> Zygote | None:
-        """This process's zygote if one is running, without starting one. (A process forked
-        from this one, not by the zygote, needs its own: two processes' requests on one
-        socket would mix.)"""
-        zygote = cls._current
+    def current(cls, index: int = 0) -> Zygote | None:
+        """This process's zygote for rank `index` if one is running, without starting one. (A
+        process forked from this one, not by the zygote, needs its own: two processes'
+        requests on one socket would mix.)"""
+        zygote = cls._by_index.get(index)
         alive = zygote is not None and zygote.owner == os.getpid() and zygote.process.poll() is None
         return zygote if alive else None
 
     @classmethod
-    def for_this_process(cls) -> Zygote:
-        """This process's zygote, started on first use (and again if it has died)."""
-        with cls._current_lock:
-            if cls.current() is None:
-                cls._current = cls()
-            return cls._current
+    def running(cls) -> list[Zygote]:
+        """This process's zygotes that are running, by rank index."""
+        return [z for i in sorted(cls._by_index) if (z := cls.current(i)) is not None]
 
-    def __init__(self) -> None:
+    @classmethod
+    def for_ranks(cls, world_size: int) -> list[Zygote]:
+        """The zygotes of ranks 0..world_size-1, those missing (or dead) started side by side."""
+        with cls._registry_lock:
+            missing = [i for i in range(world_size) if cls.current(i) is None]
+            seeds = _hash_seeds(len(missing), taken={z.hash_seed for z in cls.running()})
+            started = {i: cls(seed) for i, seed in zip(missing, seeds)}  # importing, in parallel
+            cls._by_index.update(started)
+            try:
+                for zygote in started.values():
+                    zygote._wait_ready()
+            except ZygoteUnavailable:
+                for zygote in started.values():
+                    zygote.close()
+                raise
+            return [cls._by_index[i] for i in range(world_size)]
+
+    @classmethod
+    def for_this_process(cls) -> Zygote:
+        """Rank 0's zygote, started on first use (and again if it has died)."""
+        return cls.for_ranks(1)[0]
+
+    def __init__(self, hash_seed: int | str | None = None) -> None:
+        """Start a zygote process (its imports go on in the background: `_wait_ready`).
+        hash_seed: its string-hash seed (None: the caller's PYTHONHASHSEED, else random)."""
         if sys.platform != "linux":  # fork, and passing file descriptors, as Linux has them
             raise ZygoteUnavailable(f"no zygote on {sys.platform}")
         self.owner = os.getpid()
+        self.hash_seed = _hash_seeds(1, set())[0] if hash_seed is None else hash_seed
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         # The zygote imports zerolab and torch from where this process did.
         env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
         env["OPENBLAS_NUM_THREADS"] = "1"  # numpy's BLAS would start a thread: see the Note
-        self._log = tempfile.NamedTemporaryFile(prefix="zerolab-zygote-", suffix=".log")
+        env["PYTHONHASHSEED"] = str(self.hash_seed)  # its ranks' string hashes: see the Note
+        # The zygote, its ranks and their children carry their owner's name (leftovers.py).
+        env[leftovers.OWNER] = owner = leftovers.owner_id()
+        # Its output, for when it fails to start. The zygote removes this file when it exits.
+        log, self._log_path = tempfile.mkstemp(prefix=f"{leftovers.ZYGOTE_PREFIX}{owner}-",
+                                               suffix=".log")
         self.process = subprocess.Popen(
-            [sys.executable, "-c",
-             f"from zerolab.launcher.zygote import serve; serve({theirs.fileno()})"],
-            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self._log,
-            stderr=self._log, env=env)
+            [sys.executable, "-c", f"from zerolab.launcher.zygote import serve; "
+                                   f"serve({theirs.fileno()}, {self._log_path!r})"],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            env=env)
+        os.close(log)
         theirs.close()
         self._socket = ours
         self._lock = threading.Lock()  # one request at a time: launches from two threads
+
+    def _wait_ready(self) -> None:
+        """Wait until the zygote has imported what ranks need, and check it imported ours."""
         self._socket.settimeout(300)  # importing torch on a busy machine; not forever
         try:
             ready = self._socket.recv(_MAX_MESSAGE)
@@ -157,8 +200,10 @@ class Zygote:
             self.close()
             raise ZygoteUnavailable(f"the zygote imported {pickle.loads(ready)}, not {expected}")
 
-    def start(self, target: Callable[..., Any], args: tuple, log_path: str) -> ForkedRank:
-        """Fork a rank that runs target(*args), its stdout and stderr appended to log_path."""
+    def start(self, target: Callable[..., Any], args: tuple, log_path: str,
+              workdir: str | None = None) -> ForkedRank:
+        """Fork a rank that runs target(*args), its stdout and stderr appended to log_path.
+        workdir: its launch's folder, which the zygote removes if this process dies first."""
         # What spawn sends a new process: sys.path, working directory, the main script; not
         # multiprocessing's authentication key, which it refuses to pickle (a rank needs none).
         preparation = multiprocessing.spawn.get_preparation_data("zerolab-rank")
@@ -166,13 +211,15 @@ class Zygote:
         # The work stays pickled until the rank has run the preparation: unpickling it may
         # import the caller's modules, which belong in the rank, not in the zygote.
         request = pickle.dumps({"environ": dict(os.environ), "preparation": preparation,
-                                "work": pickle.dumps((target, args))})
+                                "work": pickle.dumps((target, args)), "workdir": workdir})
         report_r, report_w = os.pipe()
         log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             with self._lock:
                 socket.send_fds(self._socket, [request], [report_w, log])
                 reply = self._socket.recv(_MAX_MESSAGE)
+        except OSError:  # the zygote died (killed) since it last answered
+            reply = b""
         finally:
             os.close(report_w)  # the zygote holds its own copy now
             os.close(log)
@@ -197,24 +244,58 @@ class Zygote:
         return pids
 
     def close(self) -> None:
-        self._socket.close()  # the zygote sees the end of its input and exits
-        self.process.wait(timeout=10)
+        self._socket.close()  # the zygote sees the end of its input and exits (removing its log)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
+        with contextlib.suppress(OSError):
+            os.remove(self._log_path)
 
     def _output(self) -> str:
-        with open(self._log.name, errors="replace") as f:
-            return f.read()
+        """What the zygote printed, once it has died (which removes its log: this does, if
+        the zygote could not)."""
+        try:
+            with open(self._log_path, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+        finally:
+            if self.process.poll() is not None:
+                with contextlib.suppress(OSError):
+                    os.remove(self._log_path)
+
+
+def _hash_seeds(count: int, taken: set) -> list[int | str]:
+    """A string-hash seed for each new zygote: the caller's PYTHONHASHSEED where it set one (as
+    every rank of a torchrun job would inherit it), else a different random one each."""
+    if "PYTHONHASHSEED" in os.environ:
+        return [os.environ["PYTHONHASHSEED"]] * count
+    seeds: list[int | str] = []
+    while len(seeds) < count:
+        seed = 1 + int.from_bytes(os.urandom(4), "little") % (2**32 - 1)  # 1..4294967295
+        if seed not in taken and seed not in seeds:
+            seeds.append(seed)
+    return seeds
 
 
 # --- in the zygote process ----------------------------------------------------------------------
 
 
 # What every rank needs, imported once in the zygote (the launcher and the harness bring torch,
-# torch.distributed and the engines along). Named, not imported here: the zygote is part of the
-# launcher, and the launcher does not depend on what it launches.
-PRELOAD = ("torch.distributed", "zerolab", "zerolab.harness")
+# torch.distributed and the engines along; torch's optimizers import torch._dynamo the first time
+# one is built, seconds of CPU that every rank paid again). Named, not imported here: the
+# zygote is part of the launcher, and the launcher does not depend on what it launches.
+PRELOAD = ("torch.distributed", "torch._dynamo", "zerolab", "zerolab.harness")
 
 
-def serve(fd: int) -> None:
+class _Stop(BaseException):
+    """SIGTERM or SIGHUP reached the zygote: clean up as if its caller had gone."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise _Stop()
+
+
+def serve(fd: int, log_path: str = "") -> None:
     """The zygote: import what every rank needs, then fork one rank per request."""
     sock = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the ranks and the caller
@@ -222,26 +303,48 @@ def serve(fd: int) -> None:
         importlib.import_module(name)
     sock.send(pickle.dumps((sys.modules["zerolab"].__file__, torch.__file__)))
     ranks: dict[int, tuple[int, int]] = {}  # exit pipe's read end -> (pid, report fd)
-    while True:
-        for ready in multiprocessing.connection.wait([sock, *ranks]):
-            if ready is sock:
-                request, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
-                if not request:  # the caller is gone: so are its ranks
-                    for pid, _ in ranks.values():
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
-                    os._exit(0)
-                report, log = fds
-                exited_r, pid = _fork_rank(pickle.loads(request), log, report, sock, ranks)
-                os.close(log)
-                ranks[exited_r] = (pid, report)
-                sock.send(_INT.pack(pid))
-            else:
-                pid, report = ranks.pop(ready)
-                _, status = os.waitpid(pid, 0)
-                os.write(report, _INT.pack(os.waitstatus_to_exitcode(status)))
-                os.close(report)
-                os.close(ready)
+    workdirs: set[str] = set()  # the folders of its ranks' launches
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _stop)
+    zygote = os.getpid()
+    try:
+        while True:
+            for ready in multiprocessing.connection.wait([sock, *ranks]):
+                if ready is sock:
+                    request, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
+                    if not request:  # the caller is gone: so are its ranks
+                        return
+                    report, log = fds
+                    request = pickle.loads(request)
+                    exited_r, pid = _fork_rank(request, log, report, sock, ranks)
+                    os.close(log)
+                    ranks[exited_r] = (pid, report)
+                    if request.get("workdir"):  # forget the folders removed since
+                        workdirs = {w for w in workdirs if os.path.isdir(w)}
+                        workdirs.add(request["workdir"])
+                    sock.send(_INT.pack(pid))
+                else:
+                    pid, report = ranks.pop(ready)
+                    _, status = os.waitpid(pid, 0)
+                    os.write(report, _INT.pack(os.waitstatus_to_exitcode(status)))
+                    os.close(report)
+                    os.close(ready)
+    except (_Stop, OSError):
+        pass
+    finally:
+        if os.getpid() != zygote:  # a rank that failed before it could run: not the zygote
+            os._exit(1)
+        # Whatever the caller's launches left: ranks (their process groups), processes that
+        # carry the mark of one of its launches, their folders, this zygote's log.
+        for pid, _ in ranks.values():
+            leftovers.kill_group(pid)
+        for workdir in workdirs:
+            leftovers.kill_marked(leftovers.LAUNCH, workdir)
+            shutil.rmtree(workdir, ignore_errors=True)
+        if log_path:
+            with contextlib.suppress(OSError):
+                os.remove(log_path)
+        os._exit(0)
 
 
 def _fork_rank(request: dict, log: int, report: int, sock: socket.socket,
@@ -253,7 +356,9 @@ def _fork_rank(request: dict, log: int, report: int, sock: socket.socket,
     if pid:
         os.close(exited_w)
         return exited_r, pid
-    # In the new rank. Its output goes to its log before anything else runs.
+    # In the new rank. It leads a new session and process group, so that killing the group
+    # ends whatever it starts too. Its output goes to its log before anything else runs.
+    os.setsid()
     os.dup2(log, 1)
     os.dup2(log, 2)
     # The zygote's other descriptors are not the rank's: its socket, the pipe on which the
@@ -263,8 +368,10 @@ def _fork_rank(request: dict, log: int, report: int, sock: socket.socket,
     for fd in (log, report, exited_r, sock.fileno(), *others):
         os.close(fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
     # Die with the zygote (which dies with the caller): Linux's "parent death signal".
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != zygote_pid:  # it died before the line above: nobody to report to
         os._exit(1)
     # A new process draws new seeds; a forked one would share the zygote's with every other

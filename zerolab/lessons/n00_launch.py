@@ -3,12 +3,15 @@
 Every function here runs on each rank of `zerolab.launch(fn, world_size=N)`: N new processes,
 each with the default process group already initialised. They return plain data (a small
 dataclass per function, below), which `launch` brings back to the notebook as a list ordered by
-rank.
+rank. The last section's functions run in the notebook: each launches one of the classic hangs
+and returns what the launcher's flight recorders found (`provoke_hang`).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -46,12 +49,12 @@ class PairSums:
     pair_sum: int  # all-reduce over the pair only: (2k + 1) + (2k + 2)
 
 
-def first_all_reduce(late_seconds: float = 0.1) -> FirstAllReduce:
+def first_all_reduce(late_seconds: float = 0.05) -> FirstAllReduce:
     """Who am I, and the first collective: every rank adds its vector into everyone's.
 
     Rank r contributes x_r = (r + 1) * [1, 10, 100] (3,), and `all_reduce` (sum) overwrites
     x_r in place with x_0 + x_1 + ... + x_{N-1} on every rank: N(N+1)/2 * [1, 10, 100].
-    Before the call, rank r is busy for r * late_seconds (a sleep, standing in for a slower
+    Before the call, rank r is busy for (r + 1) * late_seconds (a sleep, standing in for a
     forward pass), so that the timeline shows who waits for whom.
 
     Returns this rank's FirstAllReduce: who it is, the vector before and after (lists of ints:
@@ -62,7 +65,7 @@ def first_all_reduce(late_seconds: float = 0.1) -> FirstAllReduce:
     before = [int(v) for v in x.tolist()]
     with zerolab.record_comm() as log:  # starts with a barrier: the ranks' clocks line up
         with log.span("work"):
-            time.sleep(ctx.rank * late_seconds)
+            time.sleep((ctx.rank + 1) * late_seconds)  # the higher the rank, the later
         comm.all_reduce(x, tag="lesson00/first")  # in place; every rank must make this call
     return FirstAllReduce(rank=ctx.rank, world_size=ctx.world_size, backend=ctx.backend,
                           device=str(ctx.device), pid=os.getpid(),
@@ -108,3 +111,82 @@ def fail_on(bad_rank: int, busy_seconds: float = 600.0) -> int:
         raise ValueError(f"rank {rank} found a NaN in its batch")
     time.sleep(busy_seconds)  # a long forward pass, or a collective waiting for bad_rank
     return rank
+
+
+# --- when ranks hang: what the flight recorder says --------------------------------------------
+
+# Three gradients of different sizes (elements), all-reduced one by one as DDP would.
+GRADS = {"wte": 12, "wpe": 8, "ln_f": 4}
+
+
+def set_orders(names: list[str], world_size: int) -> list[list[str]]:
+    """For each rank: `list(set(names))` as a new Python process computes it, each rank with its
+    own hash seed (PYTHONHASHSEED), the first seeds from 1 up whose orders all differ.
+
+    Under torchrun every rank is a new Python whose str hashes are salted at random, so a loop
+    over a set of names runs in a different order on each rank. zerolab's ranks are forked from
+    one process and share its salt, so each rank asks a new Python here, as torchrun would.
+    """
+    orders: list[list[str]] = []
+    seed = 0
+    while len(orders) < world_size:
+        seed += 1
+        out = subprocess.run([sys.executable, "-c", "import sys; print(*set(sys.argv[1:]))",
+                              *names], env={**os.environ, "PYTHONHASHSEED": str(seed)},
+                             capture_output=True, text=True, check=True).stdout.split()
+        if out not in orders:
+            orders.append(out)
+    return orders
+
+
+def hang_set_order() -> None:
+    """Each rank all-reduces its gradients in the order of a set of their names: the orders
+    differ, so rank 0's first all_reduce meets another rank's first, of another gradient.
+    Sizes differ (12, 8, 4 elements): gloo aborts the rank whose sizes do not match. (Of the
+    same size, nothing would stop: the gradients would be summed with the wrong ones.)"""
+    grads = {name: torch.ones(numel) for name, numel in GRADS.items()}
+    for name in set_orders(sorted(grads), dist.get_world_size())[dist.get_rank()]:
+        dist.all_reduce(grads[name])  # torch.distributed directly: recorded all the same
+
+
+def hang_skip(buckets: int = 3) -> None:
+    """Rank 1 skips the all-reduce of the last bucket (say, a layer its batch did not use):
+    the others wait in it for ever, while rank 1 returns."""
+    for i in range(buckets):
+        if dist.get_rank() == 1 and i == buckets - 1:
+            continue
+        comm.all_reduce(torch.ones(4 * (i + 1)), tag=f"lesson00/bucket{i}")
+
+
+def hang_sizes(samples: int = 9) -> None:
+    """Each rank all-gathers its share of `samples` predictions (rank r takes r, r+N, ...):
+    9 over 2 ranks are 5 and 4, and an all-gather needs the same size from every rank."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    mine = torch.ones(len(range(rank, samples, world_size)))  # (5,) on rank 0, (4,) on rank 1
+    everyone = torch.empty(world_size * mine.numel())
+    dist.all_gather_into_tensor(everyone, mine)
+
+
+HANGS = {"set order": hang_set_order, "skipped": hang_skip, "sizes": hang_sizes}
+
+
+@dataclass
+class HangVerdict:
+    """What `zerolab.launch` said about one of the classic hangs (`provoke_hang`)."""
+
+    case: str  # a key of HANGS
+    error: str  # the exception's class: "LaunchTimeout" (hung) or "WorkerError" (aborted)
+    headline: str  # its first line
+    verdict: str  # where each rank was and the first collective where they differ
+    seconds: float  # from the launch to the error (the launch's timeout was far longer)
+
+
+def provoke_hang(case: str, world_size: int = 2, timeout: float = 60.0) -> HangVerdict:
+    """In the notebook: launch one of HANGS and return what the launcher found."""
+    start = time.perf_counter()
+    try:
+        zerolab.launch(HANGS[case], world_size, timeout=timeout)
+    except (zerolab.LaunchTimeout, zerolab.WorkerError) as err:
+        return HangVerdict(case, type(err).__name__, str(err).splitlines()[0],
+                           err.explanation, time.perf_counter() - start)
+    raise AssertionError(f"{case}: the ranks did not hang")

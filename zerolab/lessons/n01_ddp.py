@@ -1,4 +1,4 @@
-"""Notebook 01, first half: how DDP works, from one gradient to buckets overlapping backward.
+"""Notebook 01 (01_ddp): how DDP works, from one gradient to buckets overlapping backward.
 
 Two helpers run in the notebook's own kernel (no ranks needed):
 
@@ -11,6 +11,7 @@ One worker runs on the ranks, `ddp_lesson` (`zerolab.launch(ddp_lesson, world_si
 trains a larger GPT with zerolab.DDP at several bucket sizes (how many all-reduces, how long a
 step), then compares zerolab.DDP with `DDPAfterBackward`, a DDP that reduces every bucket only
 once backward is over (timelines, and how much communication is left after backward).
+(`MemorySplit` and `ddp_memory_split`, notebook 01b's, live in n01_memory; imported here too.)
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import zerolab
 from zerolab import engines, harness, models
 from zerolab.comm import CommLog
 from zerolab.ddp import DDPAfterBackward
-from zerolab.lessons.n01_memory import DDPMemory, ddp_memory
-from zerolab.memory import MemoryTrace
+from zerolab.lessons.n01_memory import DDPMemory, MemorySplit, ddp_memory, ddp_memory_split
 
 # Big enough that buckets matter: Ψ = 834,304 parameters in 52 tensors, 3.2 MiB of fp32 grads.
 SWEEP_CONFIG = models.GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
@@ -134,36 +134,8 @@ def ddp_lesson(bucket_sizes: tuple[int, ...] = SWEEP_BUCKETS, steps: int = 2,
                      params_equal=harness.max_diff(*states) == 0.0)
 
 
-@dataclass
-class MemorySplit:
-    """DDP's live bytes with activations apart: {"params", "grads", "optimizer",
-    "activations" (what autograd saved for backward), "other" (temporaries)}."""
-
-    trace: MemoryTrace  # over the first step (batch_sizes[0] sequences per rank)
-    peaks: dict[int, dict[str, int]]  # sequences per rank -> bytes at a later step's peak
-
-
-def ddp_memory_split(batch_sizes: tuple[int, ...] = (4, 8, 16)) -> MemorySplit:
-    """n01_memory.ddp_memory's fp32 steps (same model, same batches), tracked with
-    activations=True, so that "other" splits into activations and temporaries."""
-    ctx = zerolab.init_from_env()
-    model = models.GPT().to(ctx.device)
-    engine = engines.make_engine("ddp", model)
-
-    def tracked_step(step: int, per_rank: int) -> MemoryTrace:
-        x, y = (t.to(ctx.device) for t in harness.local_batch(
-            model.make_batch, per_rank * ctx.world_size, seed=step, rank=ctx.rank,
-            world_size=ctx.world_size))
-        with zerolab.track_memory(engine.state_tensors, activations=True) as trace:
-            harness.train_step(engine, x, y)
-        return trace
-
-    first = tracked_step(0, batch_sizes[0])
-    peaks = {b: tracked_step(i + 1, b).peak_by_category for i, b in enumerate(batch_sizes)}
-    return MemorySplit(first, peaks)
-
-
 def notebook_01() -> tuple[DDPLesson, DDPMemory, MemorySplit]:
-    """Everything notebook 01 measures on ranks, in one launch: `ddp_lesson()`,
-    `n01_memory.ddp_memory()` and `ddp_memory_split()` with their default arguments."""
+    """What notebooks 01 and 01b measure on ranks, in one launch: `ddp_lesson()`,
+    `n01_memory.ddp_memory()` and `n01_memory.ddp_memory_split()` with their default
+    arguments. (The notebooks launch `ddp_lesson` and `n01_memory.notebook_01b` apart.)"""
     return ddp_lesson(), ddp_memory(), ddp_memory_split()

@@ -1,9 +1,11 @@
-"""Notebook 01: where the memory of data-parallel training goes, measured on every rank.
+"""Notebook 01b (01b_memory): where the memory of data-parallel training goes, on every rank.
 
 `ddp_memory` runs on each rank of `zerolab.launch(ddp_memory, world_size=N, args=(...))`.
 It trains zerolab's tiny GPT with zerolab.DDP and AdamW and returns what the rank holds
 (a `DDPMemory`), measured from the live tensors (zerolab.memory), never computed from a formula.
 Each step is `harness.measured_step`: the same measured step as every other notebook's.
+`ddp_memory_split` tracks the same steps with activations apart from temporaries;
+`notebook_01b` runs both in one launch.
 """
 
 from __future__ import annotations
@@ -86,3 +88,38 @@ def bytes_table(rows: list[tuple[str, dict[str, int]]]) -> str:
         lines.append(f"{name:<9}" + "".join(f"{d[c]:>12,}" for c in columns)
                      + f"{sum(d[c] for c in columns):>12,}")
     return "\n".join(lines)
+
+
+@dataclass
+class MemorySplit:
+    """DDP's live bytes with activations apart: {"params", "grads", "optimizer",
+    "activations" (what autograd saved for backward), "other" (temporaries)}."""
+
+    trace: MemoryTrace  # over the first step (batch_sizes[0] sequences per rank)
+    peaks: dict[int, dict[str, int]]  # sequences per rank -> bytes at a later step's peak
+
+
+def ddp_memory_split(batch_sizes: tuple[int, ...] = (4, 8, 16)) -> MemorySplit:
+    """ddp_memory's fp32 steps (same model, same batches), tracked with
+    activations=True, so that "other" splits into activations and temporaries."""
+    ctx = zerolab.init_from_env()
+    model = models.GPT().to(ctx.device)
+    engine = engines.make_engine("ddp", model)
+
+    def tracked_step(step: int, per_rank: int) -> MemoryTrace:
+        x, y = (t.to(ctx.device) for t in harness.local_batch(
+            model.make_batch, per_rank * ctx.world_size, seed=step, rank=ctx.rank,
+            world_size=ctx.world_size))
+        with zerolab.track_memory(engine.state_tensors, activations=True) as trace:
+            harness.train_step(engine, x, y)
+        return trace
+
+    first = tracked_step(0, batch_sizes[0])
+    peaks = {b: tracked_step(i + 1, b).peak_by_category for i, b in enumerate(batch_sizes)}
+    return MemorySplit(first, peaks)
+
+
+def notebook_01b() -> tuple[DDPMemory, MemorySplit]:
+    """Everything notebook 01b measures on ranks, in one launch: `ddp_memory()` and
+    `ddp_memory_split()` with their default arguments."""
+    return ddp_memory(), ddp_memory_split()

@@ -6,8 +6,9 @@ ZeRO-1 against ZeRO-2 under gradient accumulation.
 1, 2 and 4, `compare_stages` splits the 4 ranks into process groups of k consecutive ranks
 (notebook 00): for k = 2 that is two independent 2-rank jobs, {0, 1} and {2, 3}, training side
 by side. Each job sees the same global batch, cut into k slices, so every job at every k should
-end with the same model. `overlap` (the paper's ZeRO-1 schedule against zerolab's overlapped
-one) and `accumulation` (ZeRO-1 against ZeRO-2 over 4 micro-batches) run on all 4 ranks.
+end with the same model. `overlap` (ZeRO1AfterBackward, collectives after backward, against
+ZeRO1's overlapped ones) and `accumulation` (ZeRO-1 against ZeRO-2 over 4 micro-batches) run
+on all 4 ranks.
 
 Engines are named as in `zerolab.engines.ENGINES` ("ddp", "zero1", "zero1_all_reduce"; engines.label
 gives "DDP", "ZeRO-1", "ZeRO-1 by all-reduce"), and each step is the harness's.
@@ -29,7 +30,7 @@ GLOBAL_BATCH = 8  # sequences per step over the whole job; divides by 1, 2 and 4
 STEPS = 2  # one plain step (Adam state is born), then the measured one
 LR = 1e-3
 SMALL_BUCKETS = 32 * 1024  # bucket_bytes for `overlap` and `accumulation`: 4 buckets, not 1
-SCHEDULES = ("zero1_after_backward", "zero1")  # the paper's schedule, then zerolab's overlapped one
+SCHEDULES = ("zero1_after_backward", "zero1")  # collectives after backward, then overlapped
 MICRO_BATCHES = 4
 ACCUMULATION = (("zero1", True), ("zero2", True), ("zero2", False))  # (engine, use no_sync)
 

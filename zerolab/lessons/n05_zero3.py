@@ -10,6 +10,9 @@
   step each: the parameter peak against the model's size, as the model gets deeper;
 - notes how many CPU cores and compute threads each rank had, for the timings.
 
+`compute_beside_gathers` turns the two timelines' per-block compute times into the verdict they
+support (slower, faster, or within noise), rather than a comparison of two medians.
+
 Every step is `harness.measured_step`. It returns a `Zero3Lesson` (`MemoryTrace`s and
 `CommLog`s inside); the notebook draws it with `zerolab.plots`.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,3 +202,33 @@ def block_compute_ms(log: CommLog) -> float:
     """The median time one block took to compute in forward, in ms (from the per-block
     "forward" spans of `measured_step(..., forward_spans=model.blocks)`)."""
     return 1e3 * statistics.median(s.end - s.start for s in log.spans if s.name == "forward")
+
+
+@dataclass
+class ComputeBeside:
+    """How long a block took to compute in forward, alone (prefetch off) and with the next
+    block's gather in flight beside it (prefetch on), over every rank's blocks."""
+
+    alone_ms: list[float]  # per block and rank, prefetch off
+    beside_ms: list[float]  # per block and rank, prefetch on
+    slower_share: float  # of all (beside, alone) pairs, the share where beside took longer
+    verdict: str  # "slower beside a gather", "faster beside a gather" or "within noise"
+
+
+def compute_beside_gathers(off: Sequence[CommLog], on: Sequence[CommLog],
+                           decisive: float = 0.9) -> ComputeBeside:
+    """Compare the per-block forward times of two timeline runs (`measured_step(...,
+    forward_spans=model.blocks)` logs, one per rank) pair by pair, instead of two medians.
+
+    A verdict needs `decisive` of all pairs on one side (a probability of superiority of 0.9:
+    a large effect); anything less is "within noise", as two shared CPU cores often are.
+    """
+    def times(logs: Sequence[CommLog]) -> list[float]:
+        return [1e3 * (s.end - s.start) for log in logs for s in log.spans if s.name == "forward"]
+
+    alone, beside = times(off), times(on)
+    pairs = [(b > a) + 0.5 * (b == a) for b in beside for a in alone]
+    share = sum(pairs) / len(pairs)
+    verdict = ("slower beside a gather" if share >= decisive else
+               "faster beside a gather" if share <= 1 - decisive else "within noise")
+    return ComputeBeside(alone, beside, share, verdict)

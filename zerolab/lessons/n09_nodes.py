@@ -49,6 +49,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {  # name -> (engine, keyword arguments)
     "hpZ": ("zeropp", {"secondary_shard_size": NODE}),
     "qwZ+hpZ": ("zeropp", {"quantize_weights": True, "secondary_shard_size": NODE}),
 }
+# With qgZ (measured by lessons/n09_qgz.py, whose launch runs them; the same tables take them).
+QGZ_VARIANTS = {"qgZ": ("zeropp", {"quantize_grads": True, "node_size": NODE}),
+                "ZeRO++ (qwZ+hpZ+qgZ)": ("zeropp", {"quantize_weights": True,
+                                                    "secondary_shard_size": NODE,
+                                                    "quantize_grads": True})}
 CURVE_STEPS = 200  # training steps of each loss curve
 CURVE_BATCH, CURVE_SEQ = 16, 32  # global batch (sequences) and tokens per sequence
 CURVE_LR = 3e-3
@@ -96,7 +101,7 @@ def fewest(measurements: list[dict[int, int]]) -> dict[int, int]:
 def measure_traffic(variant: str) -> Traffic:
     """A warm-up step (Adam's state is created), then REPEATS identical steps measured per
     peer, the first under the memory tracker too."""
-    name, kwargs = VARIANTS[variant]
+    name, kwargs = {**VARIANTS, **QGZ_VARIANTS}[variant]
     model = GPT(MODEL)
     engine = engines.make_engine(name, model, torch.optim.AdamW, lr=1e-3, **kwargs)
     harness.train_step(engine, *batch(model, 0))
@@ -176,7 +181,7 @@ def formula(variant: str, numels: dict[str, int], world_size: int = 4,
     if variant == "HSDP":  # only the replicas' all-reduce of the gradient shards crosses
         replicas = theory.ring_sent_bytes("all_reduce", fp32 / node_size, n // node_size)
         return dict(zip(PHASES, (0.0, 0.0, replicas)))
-    options = VARIANTS[variant][1]
+    options = {**VARIANTS, **QGZ_VARIANTS}[variant][1]
     gathered = fp32
     if options.get("quantize_weights"):  # each rank quantises its own shard of each unit
         gathered = sum(n * theory.int8_bytes(p // n) for p in numels.values())
@@ -185,6 +190,9 @@ def formula(variant: str, numels: dict[str, int], world_size: int = 4,
         GATHER_SHARE * theory.ring_sent_bytes("all_gather", fp32, n))
     # the gradients' reduce-scatter: a chunk straight to each other rank (zerolab.wire.backends)
     gradients = REDUCE_SCATTER_SHARE * theory.ring_sent_bytes("reduce_scatter", fp32, n)
+    if options.get("quantize_grads"):  # qgZ: its hop across nodes (zerolab.zeropp)
+        bits = 4 if options["quantize_grads"] == "int4" else 8
+        gradients = sum(theory.qgz_sent_bytes(p, n, node_size, bits)[1] for p in numels.values())
     return dict(zip(PHASES, (forward, backward, gradients)))
 
 
@@ -256,13 +264,14 @@ def curve_config() -> GPTConfig:
     return GPTConfig(vocab_size=vocab, block_size=CURVE_SEQ, n_layer=2, n_embd=32, n_head=2)
 
 
-def loss_curve(quantize_weights: bool, steps: int = CURVE_STEPS) -> list[float]:
-    """ZeRO-3 (qwZ or not) on the built-in corpus: this rank's loss at every step."""
+def loss_curve(quantize_weights: bool, steps: int = CURVE_STEPS, **options) -> list[float]:
+    """ZeRO-3 (qwZ or not; `options`: other ZeRO++ options, qgZ's) on the built-in corpus:
+    this rank's loss at every step."""
     rank, world_size = rank_and_size()
     corpus = Corpus.builtin()
     model = GPT(curve_config())
     engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=CURVE_LR,
-                                 quantize_weights=quantize_weights)
+                                 quantize_weights=quantize_weights, **options)
     losses = []
     for step in range(steps):
         x, y = harness.local_rows(corpus.batch(CURVE_BATCH, CURVE_SEQ, seed=step), rank,
@@ -373,44 +382,47 @@ def resumed_lesson(folder: str, variant: str, shard_size: int | None = None) -> 
 
 
 @dataclass
-class PieceSummary:
-    """One piece of one rank's checkpoint file."""
+class ChunkSummary:
+    """One chunk of one tensor in one rank's file of a DCP checkpoint."""
 
-    names: list[str]  # the parameters it covers, in flat order
-    start: int  # its first element in the run of those parameters laid end to end
-    length: int  # elements held
-    keys: list[str]  # "param" and the per-element optimizer state (SGD: "momentum_buffer")
+    key: str  # "model.blocks.0.qkv.weight", "optimizer.state.wte.weight.momentum_buffer"
+    offsets: tuple[int, ...]  # its first element in the full tensor
+    sizes: tuple[int, ...]  # its extent: a rectangle of the full tensor
+    nbytes: int  # bytes in the file
 
 
-def pieces_in(folder: str, rank: int) -> list[PieceSummary]:
-    """What rank `rank` wrote in the last complete save in `folder`."""
+def chunks_in(folder: str, rank: int) -> list[ChunkSummary]:
+    """What rank `rank` wrote in the last complete save in `folder` (its file, in file order),
+    read from DCP's manifest."""
     from zerolab import checkpoint
 
-    payload = torch.load(os.path.join(checkpoint.latest(folder), f"rank{rank}.pt"),
-                         weights_only=False)
-    return [PieceSummary(p["names"], p["start"], p["tensors"]["param"].numel(),
-                         list(p["tensors"])) for p in payload["pieces"]]
+    metadata = checkpoint.manifest(checkpoint.latest(folder))
+    mine = sorted(((info.offset, index, info.length) for index, info in
+                   metadata.storage_data.items() if info.relative_path == f"__{rank}_0.distcp"),
+                  key=lambda item: item[0])
+    out = []
+    for _, index, length in mine:
+        sizes = next((c.sizes for c in metadata.state_dict_metadata[index.fqn].chunks
+                      if c.offsets == index.offset), ()) if index.offset is not None else ()
+        out.append(ChunkSummary(index.fqn, tuple(index.offset or ()), tuple(sizes), length))
+    return out
 
 
 def save_killed_half_way(folder: str) -> None:
     """Load the checkpoint into ZeRO-2, train one step, save: and die half-way through the
-    save, after this rank's file is written, before the manifest and LATEST are."""
-    import zerolab.checkpoint as checkpoint
+    save, after this rank's file is written, before the manifest (.metadata) and LATEST are."""
+    import torch.distributed.checkpoint as dcp
 
-    passed = []
-    real_barrier = checkpoint.comm.barrier
+    from zerolab import checkpoint
 
-    def dies_at_second_barrier(**kwargs) -> None:
-        if passed:  # save's second barrier: every rank's file is complete
-            os._exit(1)  # a crash: no exception, no clean-up, the process is gone
-        passed.append(True)
-        real_barrier(**kwargs)
+    def dies_writing_the_manifest(writer, metadata, results) -> None:
+        os._exit(1)  # a crash: no exception, no clean-up, the process is gone
 
     model = GPT(MODEL)
     engine = engines.make_engine("zero2", model, torch.optim.SGD, **SGD)
     checkpoint.load(engine, folder)
     harness.train_step(engine, *batch(model, 2))
-    checkpoint.comm.barrier = dies_at_second_barrier
+    dcp.FileSystemWriter.finish = dies_writing_the_manifest  # DCP writes the manifest last
     checkpoint.save(engine, folder)
 
 
@@ -422,7 +434,7 @@ class Crash:
     before: list[str]  # the folder's entries before the crashed save
     after: list[str]  # and after it
     latest: str  # the version LATEST names afterwards
-    crashed_files: list[str]  # what the unfinished version holds
+    crashed_files: list[str]  # what the unfinished version holds (no .metadata)
     same_as_before: bool  # the checkpoint that loads now is bitwise the one saved before
 
 

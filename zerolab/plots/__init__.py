@@ -4,7 +4,10 @@ Each function takes plain data (lists, dicts, or the comm logs), returns a matpl
 outside pyplot (a `CourseFigure`): a notebook displays the returned figure, a test inspects it.
 They live by idea in memory.py (bytes held: per rank, over a step, against N), comm.py (bytes
 sent per rank, the timeline of compute and collectives), activations.py (notebook 08),
-nodes.py (notebook 09) and calculator.py (the memory calculator, with its ipywidgets
+nodes.py (notebook 09), schematics.py and holdings.py (pictures of what moves: the ring
+all-reduce, DDP's buckets, ZeRO-3's units, the HSDP mesh, the flat layout, and who holds what
+per stage, the ZeRO paper's Figure 1, each drawn from data recorded on real ranks by
+zerolab.lessons.schematics) and calculator.py (the memory calculator, with its ipywidgets
 controls); their shared units, colours and legends are in base.py. `zerolab.plots.<name>`
 reaches every figure but the calculator's (`zerolab.plots.calculator`, which needs ipywidgets).
 
@@ -36,8 +39,16 @@ from zerolab.plots.base import (
     pick_unit,
 )
 from zerolab.plots.comm import bytes_per_rank, timeline, unit_name
+from zerolab.plots.holdings import holdings_by_stage, holdings_over_step
 from zerolab.plots.memory import memory_bars, memory_timeline, memory_vs_world_size
 from zerolab.plots.nodes import grouped_bytes, loss_curves
+from zerolab.plots.schematics import (
+    ddp_buckets,
+    flat_layout,
+    hsdp_mesh,
+    ring_all_reduce,
+    zero3_lifecycle,
+)
 
 __all__ = [
     "CATEGORY_COLORS",
@@ -49,13 +60,20 @@ __all__ = [
     "activations",
     "byte_label",
     "bytes_per_rank",
+    "ddp_buckets",
+    "flat_layout",
     "format_bytes",
     "grouped_bytes",
+    "holdings_by_stage",
+    "holdings_over_step",
+    "hsdp_mesh",
     "loss_curves",
     "memory_bars",
     "memory_timeline",
     "memory_vs_world_size",
     "pick_unit",
+    "ring_all_reduce",
     "timeline",
     "unit_name",
+    "zero3_lifecycle",
 ]

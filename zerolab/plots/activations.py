@@ -49,7 +49,9 @@ def curves(
     the measured x's). logx: a base-2 x axis, ticks at powers of two; logy: a log byte axis
     (a line of slope 1 is linear growth, slope 2 quadratic). hlines: {label: bytes} drawn
     dashed (a GPU's memory). kinds: what the legend adds to the curves' and the markers' labels
-    ("" adds nothing). Curves cycle through line styles, so that equal curves stay visible.
+    ("" adds nothing). Curves cycle through line styles; a curve within 1% of an earlier one
+    everywhere is drawn thin on top of a wide one (its label should say so: see
+    `close_curves`), so that both stay visible.
     """
     labels = list(dict.fromkeys([*formula, *measured]))
     xs = sorted({x for pts in measured.values() for x in pts})
@@ -61,6 +63,8 @@ def curves(
               + list((hlines or {}).values()))
     byte_unit = pick_unit(top, decimal)
     scale = byte_unit[1]
+    close = close_curves(lines)
+    under = set(close.values())  # curves another is drawn on top of
 
     def name(label: str, kind: str) -> str:
         return f"{label}, {kind}" if kind else label
@@ -71,7 +75,9 @@ def curves(
         color = rank_color(i)
         if lab in lines:
             ax.plot(grid, lines[lab] / scale, color=color, label=name(lab, kinds[0]),
-                    linestyle=("-", "--", "-.", ":")[i % 4], linewidth=2.0 if i % 2 else 2.6)
+                    linestyle=("-", "--", "-.", ":")[i % 4],
+                    linewidth=1.6 if lab in close else 5.0 if lab in under else 2.0 + 0.6 * (i % 2),
+                    zorder=2.5 if lab in close else 2)
         if lab in measured:
             pts = sorted(measured[lab].items())
             ax.plot([x for x, _ in pts], [v / scale for _, v in pts], "o", color=color,
@@ -102,6 +108,19 @@ def curves(
     legend_outside(ax)
     fig.byte_unit = byte_unit
     return fig
+
+
+def close_curves(lines: Mapping[str, Any], rtol: float = 0.01) -> dict[str, str]:
+    """{label: the earlier label it stays within rtol of, at every x}: curves drawn on top of
+    each other."""
+    out: dict[str, str] = {}
+    labels = list(lines)
+    for k, lab in enumerate(labels):
+        same = next((e for e in labels[:k] if e not in out
+                     and np.allclose(lines[lab], lines[e], rtol=rtol, atol=0)), None)
+        if same is not None:
+            out[lab] = same
+    return out
 
 
 def stacked_panels(

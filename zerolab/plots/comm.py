@@ -131,6 +131,21 @@ class _Lane:
                 placed.append((lo, hi))
 
 
+def _sub_rows(bars: Sequence[tuple[float, float]]) -> tuple[list[int], int]:
+    """A row for each (left, width) bar such that no two bars of a row overlap: each bar takes
+    the first row free at its left edge (greedy, in order of left edge). Returns the rows and
+    how many there are (1 when no bars overlap)."""
+    ends: list[float] = []  # the right edge of each row's last bar
+    rows = [0] * len(bars)
+    for i in sorted(range(len(bars)), key=lambda i: bars[i][0]):
+        left, width = bars[i]
+        row = next((r for r, end in enumerate(ends) if end <= left + 1e-9), len(ends))
+        if row == len(ends):
+            ends.append(0.0)
+        ends[row], rows[i] = left + width, row
+    return rows, max(len(ends), 1)
+
+
 def timeline(logs: Sequence[Any], title: str = "Timeline of one step") -> Figure:
     """Gantt lanes: per rank, a lane of compute spans (forward/backward/step) and a lane of
     collectives.
@@ -140,6 +155,8 @@ def timeline(logs: Sequence[Any], title: str = "Timeline of one step") -> Figure
     per op and per span name, one legend entry each. A collective's bar shows the bucket or
     unit its tag names ('blocks.2', 'root', 'bucket3'; `unit_name`) where the whole name fits
     and no other bar overlaps it, and nothing otherwise; a span's bar shows its name likewise.
+    Collectives in flight together (asynchronous calls) are drawn in thin sub-rows of their
+    rank's lane, so that none hides another; such a lane's bars carry no labels.
     """
     logs = sorted(logs, key=lambda log: log.rank)
     starts = [e.start for log in logs for e in log.events] + [
@@ -169,13 +186,23 @@ def timeline(logs: Sequence[Any], title: str = "Timeline of one step") -> Figure
             ax.barh(y_compute, width, left=left, height=0.7, color=span_colors[s.name],
                     edgecolor="white")
             spans.add(left, width, s.name)
+        bars = []  # (left, width drawn, width measured, event), ms
         for e in log.events:
             ops_seen[e.op] = None
             end = e.start if e.end is None else e.end
-            left, width = (e.start - t0) * 1e3, max((end - e.start) * 1e3, min_width)
-            ax.barh(y_comm, width, left=left, height=0.7, alpha=0.9,
+            width = (end - e.start) * 1e3
+            bars.append(((e.start - t0) * 1e3, max(width, min_width), width, e))
+        # Sub-rows by the measured widths: a sliver drawn wider than it lasted shares a row.
+        rows_of, n_rows = _sub_rows([(left, width) for left, _, width, _ in bars])
+        height = 0.7 / n_rows
+        for (left, width, _, e), row in zip(bars, rows_of):
+            # Calls in flight together (asynchronous ones) share the lane in thin sub-rows,
+            # the first issued on top, so that no bar hides another.
+            y = y_comm + 0.35 - height * (row + 0.5)
+            ax.barh(y, width, left=left, height=height, alpha=0.9,
                     color=OP_COLORS.get(e.op, _UNKNOWN_COLOR), edgecolor="white", linewidth=0.5)
-            comms.add(left, width, unit_name(e.tag))
+            if n_rows == 1:  # a label needs the lane's whole height
+                comms.add(left, width, unit_name(e.tag))
         if i:  # a thin rule between ranks
             ax.axhline(y_compute + 0.5, color="#999999", linewidth=0.6)
 

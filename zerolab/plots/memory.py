@@ -158,6 +158,8 @@ def memory_timeline(
     decimal: bool = False,
     unit: str | None = None,
     ymax: float | None = None,
+    phases: Sequence[Any] = (),
+    levels: Mapping[str, float] | None = None,
 ) -> Figure:
     """Memory against time: samples (t_seconds, {category: bytes}) per rank.
 
@@ -166,6 +168,10 @@ def memory_timeline(
     sample (memory changes at allocations), so lines are drawn as steps. An entry may also be an
     object with `.samples` (a `zerolab.MemoryTrace`). Two figures meant to be compared (prefetch
     on and off) should share `unit` ('MiB') and `ymax` (bytes): each would otherwise fit its own.
+    phases: spans with .name, .start, .end (seconds, on the samples' clock from the first sample,
+    as `MeasuredStep.phases()` gives them), each start marked dotted and named at the top.
+    levels: {label: bytes}, dashed horizontal lines labelled at the right (the sizes that should
+    bound the curve).
     """
     timelines = [getattr(s, "samples", s) for s in timelines]
     nonempty = [s for s in timelines if s]
@@ -207,6 +213,14 @@ def memory_timeline(
             ax.step(times_ms(samples), series(samples, category) / scale, where="post",
                     color=rank_color(rank), label=f"rank {rank}")
         legend_outside(ax)
+    for label, nbytes in (levels or {}).items():
+        ax.axhline(nbytes / scale, color="black", linewidth=0.8, linestyle="--")
+        ax.text(0.995, nbytes / scale, label, transform=ax.get_yaxis_transform(), ha="right",
+                va="top", fontsize=8)
+    for phase in phases:
+        ax.axvline(phase.start * 1e3, color="black", linewidth=0.8, linestyle=":")
+        ax.text((phase.start + phase.end) / 2 * 1e3, 0.99, phase.name, ha="center", va="top",
+                transform=ax.get_xaxis_transform(), fontsize=9)
     what = "total memory" if category is None else f"{category} memory"
     ax.set_xlabel("time since first sample (ms)")
     ax.set_ylabel(byte_label(what, byte_unit))
@@ -237,11 +251,12 @@ def _equal_curves(curves: Mapping[str, Any]) -> dict[str, tuple[int, int, str | 
     return {lab: (k, len(g), g[0] if k else None) for g in groups for k, lab in enumerate(g)}
 
 
-def _nudges(points: Mapping[str, Mapping[int, float]], tolerance: float
-            ) -> dict[tuple[str, int], float]:
-    """(label, N) -> a sideways step (..., -1, 0, 1, ...) for measured points that would land on
-    one another (DDP, ZeRO-1 and ZeRO-2 send the same bytes), so that every marker shows."""
-    out: dict[tuple[str, int], float] = {}
+def _stacking(points: Mapping[str, Mapping[int, float]], tolerance: float
+              ) -> dict[tuple[str, int], tuple[int, int]]:
+    """(label, N) -> (its place, how many) among measured points that land on one another
+    (DDP, ZeRO-1 and ZeRO-2 send the same bytes). Such markers stay at their N and are drawn
+    widest first, each next one smaller on top, so that every one shows."""
+    out: dict[tuple[str, int], tuple[int, int]] = {}
     sizes = sorted({n for pts in points.values() for n in pts})
     for n in sizes:
         clusters: list[list[tuple[str, float]]] = []
@@ -255,7 +270,7 @@ def _nudges(points: Mapping[str, Mapping[int, float]], tolerance: float
                 near.append((lab, pts[n]))
         for cluster in clusters:
             for k, (lab, _) in enumerate(cluster):
-                out[lab, n] = k - (len(cluster) - 1) / 2
+                out[lab, n] = (k, len(cluster))
     return out
 
 
@@ -273,9 +288,9 @@ def memory_vs_world_size(
     `measured`: {N: bytes}, or {label: {N: bytes}} for several stages; `formula`: N -> bytes, or
     {label: N -> bytes}. Each label has its colour, line style and marker, and one legend entry
     (line: formula, marker: measured); a curve equal to an earlier one is drawn thinner on top
-    of it and its entry says so ('ZeRO-1 (= DDP)'); measured points that coincide are nudged
-    sideways. The curve runs to `max_world_size` (default: the largest measured N, or 64 with no
-    measurements); the x axis turns logarithmic (base 2) past N = 16.
+    of it and its entry says so ('ZeRO-1 (= DDP)'); measured points that coincide stay at
+    their N, drawn widest first. The curve runs to `max_world_size` (default: the largest
+    measured N, or 64 with no measurements); the x axis turns logarithmic (base 2) past N = 16.
     """
     if measured and all(isinstance(v, Mapping) for v in measured.values()):
         series: dict[str, Mapping[Any, float]] = dict(measured)
@@ -298,13 +313,10 @@ def memory_vs_world_size(
               + [v for pts in series.values() for v in pts.values()] + [1])
     byte_unit = pick_unit(top, decimal, unit)
     scale = byte_unit[1]
-    nudges = _nudges({lab: {int(n): v for n, v in pts.items()} for lab, pts in series.items()},
-                     0.01 * top)
+    stacking = _stacking({lab: {int(n): v for n, v in pts.items()}
+                          for lab, pts in series.items()}, 0.01 * top)
 
     equal = _equal_curves(curves)
-
-    def nudged(n: int, step: float) -> float:
-        return n * 2 ** (0.15 * step) if logx else n + 0.02 * (n_max - 1) * step
 
     fig, ax = figure()
     handles = []
@@ -318,8 +330,12 @@ def memory_vs_world_size(
             ax.plot(grid, curves[lab] / scale, **style)
         if lab in series:  # on top of every curve; a marker at 0 B shows whole
             pts = sorted((int(n), v) for n, v in series[lab].items())
-            ax.plot([nudged(n, nudges[lab, n]) for n, _ in pts], [v / scale for _, v in pts],
-                    linestyle="none", zorder=3, clip_on=False, **mark)
+            # the k-th of `count` coinciding markers: area shrinks from the widest at the back
+            areas = [(mark["markersize"] * (1 + 0.55 * (c - 1 - k))) ** 2
+                     for k, c in (stacking[lab, n] for n, _ in pts)]
+            ax.scatter([n for n, _ in pts], [v / scale for _, v in pts], s=areas,
+                       marker=mark["marker"], color=mark["color"], edgecolors="black",
+                       zorder=3 + 0.1 * i, clip_on=False)
         name = lab if same is None else f"{lab} (= {same})"
         if lab:  # one entry per label: its line and its marker
             line = style if lab in curves else {"linestyle": "none"}

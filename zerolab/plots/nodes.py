@@ -17,13 +17,15 @@ from zerolab.plots.base import short as _short
 
 def grouped_bytes(data: Mapping[str, Mapping[str, float]], title: str, *, xlabel: str,
                   ylabel: str, lines: Mapping[str, float] | None = None,
-                  decimal: bool = False) -> Figure:
+                  decimal: bool = False, unit: tuple[str, float] | None = None) -> Figure:
     """Bars in groups: data = {group: {series: bytes}}, one colour per series, each bar
-    labelled with its value; `lines` = {label: bytes}, horizontal lines across (in the legend)."""
+    labelled with its value; `lines` = {label: bytes}, horizontal lines across (in the legend).
+    unit: (name, bytes per unit) to count in something other than B/KiB/MiB, e.g. ("M", 4Ψ):
+    multiples of the model's size."""
     series = list(dict.fromkeys(s for bars in data.values() for s in bars))
     top = max([v for bars in data.values() for v in bars.values()]
               + list((lines or {}).values()) + [1])
-    unit, scale = pick_unit(top, decimal)
+    unit, scale = unit or pick_unit(top, decimal)
     fig, ax = _figure()
     width = 0.8 / max(len(series), 1)
     for i, s in enumerate(series):

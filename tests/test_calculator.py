@@ -226,8 +226,11 @@ def test_activation_figures():
     ax = widgets.activation_figure(calc).axes[0]
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert labels == ["model states", "+ activations, none", "+ activations, full",
-                      "+ activations, full, this setting", "+ activations, selective",
-                      "80 GB GPU"]
+                      "+ activations, full, this setting",
+                      "+ activations, selective (within 1% of none)", "80 GB GPU"]
+    # selective lies on none (fused attention keeps no s^2 term): drawn thin on a wide none
+    widths = {ln.get_label(): ln.get_linewidth() for ln in ax.lines}
+    assert widths["+ activations, selective (within 1% of none)"] < widths["+ activations, none"]
     assert ax.get_yscale() == "log" and ax.get_ylabel() == "bytes per GPU (GB)"
     with pytest.raises(ValueError, match="no activations"):
         widgets.activation_figure(widgets.calculate())

@@ -1,14 +1,15 @@
 """The DDP lesson of notebook 01 (zerolab.lessons.n01_ddp), checked against its formulas.
 
 Hook order and flat gradient views run here, in this process; the rest shares one launch on 2
-ranks (the worker below; spawned ranks import it from this module). Timings vary by machine and
-are not checked; counts, tags, bytes and bitwise equality are.
+ranks (tests/workers/lessons.py: n01_ddp_at_2). Timings vary by machine and are not checked;
+counts, tags, bytes and bitwise equality are.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from workers import lessons as L
 
 import zerolab
 from zerolab import models, theory
@@ -19,14 +20,9 @@ PARAM_TENSORS = 28
 N = 2
 
 
-def lesson_at_2() -> dict:
-    return {"ddp": n01_ddp.ddp_lesson(steps=1, per_rank=1),
-            "split": n01_ddp.ddp_memory_split()}
-
-
 @pytest.fixture(scope="module")
 def at2() -> list[dict]:
-    return zerolab.launch(lesson_at_2, world_size=N, timeout=240)
+    return zerolab.launch(L.n01_ddp_at_2, world_size=N, timeout=240)
 
 
 def greedy_buckets(numels: list[int], bucket_bytes: int) -> list[int]:

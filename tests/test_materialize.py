@@ -1,4 +1,5 @@
-"""Models born sharded: an engine accepts a model built on the meta device and builds it.
+"""Models born sharded (zerolab/parts/materialize.py): an engine accepts a model built on the meta
+device and builds it.
 
 ZeRO-3 materialises one unit at a time (initialise the unit in full, keep this rank's shard,
 free the rest), so a rank never holds the whole model; DDP and ZeRO-1/2, which hold every
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from workers import born_sharded as W
+from workers import materialize as W
 
 import zerolab
 from zerolab.harness import max_diff

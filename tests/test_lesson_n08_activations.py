@@ -1,32 +1,31 @@
 """Notebook 08's measurements on real ranks (zerolab.lessons.n08_activations): ZeRO-3 with and
 without activation checkpointing, against the formulas.
 
-One launch of 2 ranks runs the lesson on a shorter sequence than the notebook: the memory
-kept for backward, the recompute counted, the collectives (counts, ring and wire bytes) with
-and without checkpointing, prefetch on and off, the trap sprung by an unguarded engine, and
-the same weights everywhere.
+One launch of 2 ranks runs the lesson on a shorter sequence than the notebook
+(tests/workers/lessons.py: n08_checkpointing): the memory kept for backward, the recompute
+counted, the collectives (counts, ring and wire bytes) with and without checkpointing, prefetch
+on and off, the trap sprung by an unguarded engine, and the same weights everywhere.
 """
 
 from __future__ import annotations
 
 import pytest
+from workers.lessons import PER_RANK_08 as PER_RANK
+from workers.lessons import SEQ_08 as SEQ
+from workers.lessons import n08_checkpointing
 
 import zerolab
 from zerolab import theory
 from zerolab.lessons import n08_activations as lesson
 from zerolab.models import GPT, num_params
 
-N, SEQ, PER_RANK = 2, 64, 2
+N = 2
 LAYERS = lesson.MODEL.n_layer
-
-
-def run_lesson() -> lesson.CheckpointingLesson:
-    return lesson.checkpointing_lesson(seq_len=SEQ, per_rank=PER_RANK)
 
 
 @pytest.fixture(scope="module")
 def results() -> list[lesson.CheckpointingLesson]:
-    return zerolab.launch(run_lesson, world_size=N, timeout=400)
+    return zerolab.launch(n08_checkpointing, world_size=N, timeout=400)
 
 
 def test_kept_for_backward_is_the_formula(results):

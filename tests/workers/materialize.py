@@ -1,4 +1,4 @@
-"""Workers for tests/test_born_sharded.py: engines built from a model on the meta device."""
+"""Workers for tests/test_materialize.py: engines built from a model on the meta device."""
 
 from __future__ import annotations
 

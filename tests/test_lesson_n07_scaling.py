@@ -1,13 +1,19 @@
-"""The traffic notebook 07 prints beside the ring model: measured wire bytes, per op, and what ran.
+"""Notebook 07's measurements (zerolab.lessons.n07_scaling): the stages at 1 and 2 ranks against
+the formulas, the traffic beside the ring model at 3 ranks, and torchrun's command.
 
-One launch of 3 ranks (`n07_scaling.scaling_runs((3,), global_batch=6)`): a world size that
-test_lessons_04_07.py does not run, and one where gloo's all-gather is 3 broadcasts. Every wire
-figure is checked against the formula of the algorithm gloo ran: an all-reduce sends
-2(N-1)/N·S, a reduce-scatter (N-1 send/recv pairs) and an all-gather (N broadcasts)
-(N-1)/N·S, plus message headers.
+At 1 and 2 ranks the runs come from a launch shared with lessons 04-06's tests (conftest.py:
+lessons_04_07_at_2). The traffic has a launch of 3 ranks of its own
+(`n07_scaling.scaling_runs((3,), global_batch=6)`): a world size where gloo's all-gather is 3
+broadcasts. Every wire figure is checked against the formula of the algorithm gloo ran: an
+all-reduce sends 2(N-1)/N·S, a reduce-scatter (N-1 send/recv pairs) and an all-gather (N
+broadcasts) (N-1)/N·S, plus message headers.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
 
 import pytest
 
@@ -19,6 +25,41 @@ from zerolab.models import GPT, num_params
 N = 3
 HEADERS = 0.01  # gloo's message headers: under 1% of these payloads
 GLOO = {"all_reduce": 1, "reduce_scatter": 1, "all_gather": 1}  # wire / ring, per op, on gloo
+
+
+def test_scaling_runs_match_the_formulas_at_each_world_size(lessons_04_07_at_2):
+    p = num_params(GPT(n07_scaling.MODEL))
+    assert lessons_04_07_at_2[1]["n07"][1] is None  # rank 1 sat out the N = 1 run
+    for n in (1, 2):
+        for r in lessons_04_07_at_2[:n]:
+            run = r["n07"][n]
+            assert run.world_size == n and run.num_params == p
+            assert tuple(run.stages) == n07_scaling.STAGES == ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+            for stage in n07_scaling.STAGES:
+                held = sum(run.stages[stage].held.values())
+                formula = theory.model_state_memory(p, n, stage).total
+                assert 0 <= held - formula < 1e-3 * formula, (n, stage)
+                assert run.stages[stage].sent == theory.comm_volume(p, n, stage).ring_sent_bytes
+
+
+def test_run_torchrun_builds_the_command_and_reads_the_losses(monkeypatch):
+    """The subprocess is faked here (tests/test_train.py runs the real torchrun)."""
+    seen = {}
+
+    def fake_run(argv, **kwargs):
+        seen["argv"] = argv
+        json_path = argv[argv.index("--json") + 1]
+        with open(json_path, "w") as f:
+            json.dump({"losses": [4.0, 3.5, 3.0]}, f)
+        return subprocess.CompletedProcess(argv, 0, stdout="ok\n", stderr="")
+
+    monkeypatch.setattr(n07_scaling.subprocess, "run", fake_run)
+    run = n07_scaling.run_torchrun(nproc=2, engine_key="zero2", steps=3)
+    assert seen["argv"][:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert seen["argv"][3:11] == ["--standalone", "--nproc-per-node", "2", "-m", "zerolab.train",
+                                  "--engine", "zero2", "--steps"]
+    assert run.command.startswith("torchrun --standalone --nproc-per-node 2 -m zerolab.train")
+    assert run.returncode == 0 and run.losses == [4.0, 3.5, 3.0] and run.output == "ok\n"
 
 
 @pytest.fixture(scope="module")

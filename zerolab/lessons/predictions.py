@@ -1,0 +1,147 @@
+"""Graded predictions: the learner writes a number before a measuring cell; the run scores it.
+
+A *prediction exercise* asks for one quantity the next cell measures: peak bytes by category,
+the bytes one rank sends in a collective, a step's or a collective's seconds. It is scored
+against the measurement, by kind:
+
+    kind       right when                                     e.g.
+    "bytes"    |predicted - measured| <= rounding / 2          rounding 1024: to the KiB
+    "count"    predicted == measured (exact)                   collectives in a step
+    "seconds"  |predicted / measured - 1| <= band              band 0.35: within 35%
+
+and the verdict says which way and by how much it missed: "too high: 1.62x the measurement
+(+62%), outside the ±35% band". Bytes are exact facts of the run (a formula predicts them to
+the byte, or to the stated rounding where headers or padding blur them); times vary from run
+to run, so they get a band.
+
+    p = predictions.PREDICTIONS["10.2"]        # what is asked, and how it is scored
+    predictions.score(0.004, 0.0052, "seconds", band=0.35).message
+
+Predictions of several categories at once (peak bytes of params, grads, optimizer, ...):
+`score_each(predicted: dict, measured: dict, kind)` scores each and says which missed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+KINDS = ("bytes", "count", "seconds")
+
+
+@dataclass(frozen=True)
+class Score:
+    """One prediction against its measurement."""
+
+    ok: bool
+    predicted: float | None  # None: not attempted
+    measured: float
+    kind: str
+    message: str  # the verdict, with the direction and size of the miss
+
+    @property
+    def ratio(self) -> float | None:
+        """predicted / measured (None: not attempted, or nothing measured)."""
+        if self.predicted is None or self.measured == 0:
+            return None
+        return self.predicted / self.measured
+
+
+def _show(value: float, kind: str) -> str:
+    if kind == "seconds":
+        return f"{value * 1e3:.3g} ms" if abs(value) < 1 else f"{value:.3g} s"
+    if kind == "bytes":
+        return f"{value:,.0f} B"
+    return f"{value:,.0f}"
+
+
+def _miss(predicted: float, measured: float, kind: str) -> str:
+    """'too high by 1,024 B (+0.4%)' or 'too low: 0.62x the measurement (-38%)'."""
+    way = "too high" if predicted > measured else "too low"
+    if measured == 0:
+        return f"{way} by {_show(abs(predicted), kind)} (the measurement is 0)"
+    rel = predicted / measured - 1
+    if kind == "seconds":
+        return f"{way}: {predicted / measured:.2f}x the measurement ({rel:+.0%})"
+    return f"{way} by {_show(abs(predicted - measured), kind)} ({rel:+.1%})"
+
+
+def score(predicted: float | None, measured: float, kind: str, *, rounding: float = 0,
+          band: float = 0.35) -> Score:
+    """Score one prediction. kind: "bytes" (right within rounding / 2: rounding 0 is exact),
+    "count" (exact) or "seconds" (right within a relative `band`)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}; expected one of {KINDS}")
+    if predicted is None:
+        return Score(False, None, measured, kind,
+                     "not attempted: write your prediction above, then run this cell again")
+    if kind == "seconds":
+        if measured <= 0:
+            raise ValueError(f"a time to score against must be positive, got {measured}")
+        ok = abs(predicted / measured - 1) <= band
+        rule = f"the ±{band:.0%} band"
+    elif kind == "bytes":
+        ok = abs(predicted - measured) <= rounding / 2
+        rule = "exact" if rounding == 0 else f"rounding to {_show(rounding, kind)}"
+    else:
+        ok = predicted == measured
+        rule = "exact"
+    shown = f"predicted {_show(predicted, kind)}, measured {_show(measured, kind)}"
+    if ok:
+        exact = predicted == measured
+        return Score(True, predicted, measured, kind,
+                     f"right: {shown}" + ("" if exact else f" ({rule}; "
+                                          f"{_miss(predicted, measured, kind)})"))
+    where = "outside" if kind == "seconds" else "beyond"
+    return Score(False, predicted, measured, kind,
+                 f"{_miss(predicted, measured, kind)}, {where} {rule}: {shown}")
+
+
+def score_each(predicted: dict[str, float | None], measured: dict[str, float], kind: str, *,
+               rounding: float = 0, band: float = 0.35) -> dict[str, Score]:
+    """Score several at once (peak bytes by category): one Score per measured key. A key the
+    learner left out counts as not attempted; one the run did not measure is an error."""
+    extra = set(predicted) - set(measured)
+    if extra:
+        raise ValueError(f"predicted {sorted(extra)}, which the run does not measure; "
+                         f"it measures {sorted(measured)}")
+    return {k: score(predicted.get(k), m, kind, rounding=rounding, band=band)
+            for k, m in measured.items()}
+
+
+@dataclass(frozen=True)
+class PredictionExercise:
+    """What a notebook asks the learner to predict, and how the answer is scored."""
+
+    id: str  # "10.1": notebook 10's first prediction
+    notebook: str  # the notebook's file stem
+    name: str  # the variable the learner fills in the notebook
+    question: str  # what to predict, in one sentence, with its unit
+    kind: str  # "bytes", "count" or "seconds"
+    rounding: float = 0  # bytes: right within rounding / 2
+    band: float = 0.35  # seconds: right within this relative miss
+    measure: str = ""  # "module:function" returning the measured value (for the grader)
+
+    def score(self, predicted: float | None, measured: float) -> Score:
+        return score(predicted, measured, self.kind, rounding=self.rounding, band=self.band)
+
+
+_10 = "10_bytes_to_seconds"
+_MEASURE = "zerolab.lessons.n10_time:measured_for"
+PREDICTIONS = {p.id: p for p in (
+    PredictionExercise(
+        "10.1", _10, "predicted_wire_bytes",
+        "Bytes rank 0 writes to its sockets in one 4 MiB all-reduce at N = 2 (gloo's ring), "
+        "to the nearest 4 KiB", "bytes", rounding=4096, measure=_MEASURE),
+    PredictionExercise(
+        "10.2", _10, "predicted_all_reduce_s",
+        "Seconds of a 16 MiB all-reduce at N = 2, from your alpha and beta", "seconds",
+        measure=_MEASURE),
+    PredictionExercise(
+        "10.3", _10, "predicted_ddp_comm_s",
+        "Seconds DDP's collectives of one step take alone at N = 2 (its buckets' all-reduces "
+        "one after another)", "seconds", measure=_MEASURE),
+    PredictionExercise(
+        "10.4", _10, "predicted_zero3_step_s",
+        "Seconds of one ZeRO-3 step at N = 2: compute alone plus its communication, if none "
+        "of it hides", "seconds", measure=_MEASURE),
+)}
