@@ -13,7 +13,6 @@ learners' files: dest/<name>/<module>.py.
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 # A hunk header: "@@ -12,7 +12,8 @@", maybe followed by the function it is in (git diff).
@@ -41,27 +40,6 @@ def apply_diff(text: str, diff: str) -> str:
                              f"{before}")
         text = text.replace(before, "".join(new))
     return text
-
-
-def build_folder(source: Path, dest: Path, solutions: Path) -> Path:
-    """A copy of `source`'s folders at `dest`, each `<module>.diff` in them replaced by
-    `<module>.py`: solutions/<module>.py with the diff applied. Other files are copied."""
-    if not source.is_dir():
-        raise FileNotFoundError(f"no folder of wrong answers at {source}")
-    for path in sorted(source.rglob("*")):
-        if path.is_dir() or path.suffix == ".md":
-            continue
-        target = dest / path.relative_to(source)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".diff":
-            solution = (solutions / f"{path.stem}.py").read_text()
-            try:
-                target.with_suffix(".py").write_text(apply_diff(solution, path.read_text()))
-            except ValueError as e:
-                raise ValueError(f"{path} does not fit solutions/{path.stem}.py: {e}") from e
-        else:
-            shutil.copyfile(path, target)
-    return dest
 
 
 def answers(source: Path, dest: Path, solutions: Path) -> dict[str, Path]:
