@@ -7,9 +7,10 @@ started one by one (torchrun, or spawn) do not, and code that issues a collectiv
 set order then fails. Hosts with different seeds give the grader's ranks that difference. A
 plain exercise runs in rank 0's process of a run of its own (or of world size 1).
 
-The hosts are started when first needed, one at a time (each imports torch: a few seconds),
-and live as long as this process. Where no zygote can run (not Linux), each process is spawned
-instead, with its seed in its environment.
+The launcher's zygotes (one per rank index) draw random seeds; the grader's are fixed, so that
+a verdict does not depend on the draw. The hosts are started when a run first needs them, side
+by side (each imports torch: a few seconds), and live as long as this process. Where no zygote
+can run (not Linux), each process is spawned instead, with its seed in its environment.
 """
 
 from __future__ import annotations
@@ -48,26 +49,41 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _host(rank: int) -> Zygote | None:
+def prepare(world_size: int) -> None:
+    """Start the hosts of ranks 0..world_size-1 that are missing (or dead), side by side."""
     with _LOCK:
-        host = _HOSTS.get(rank)
-        alive = host is not None and host.process.poll() is None
-        if rank not in _HOSTS or (host is not None and not alive):
+        missing = [r for r in range(world_size) if r not in _HOSTS or (
+            _HOSTS[r] is not None and _HOSTS[r].process.poll() is not None)]
+        started: dict[int, Zygote | None] = {}
+        for r in missing:  # the zygote sets its own PYTHONHASHSEED from hash_seed
             try:
-                with _environment(PYTHONHASHSEED=str(hash_seed(rank))):
-                    _HOSTS[rank] = Zygote()
+                started[r] = Zygote(hash_seed=hash_seed(r))
             except ZygoteUnavailable:
-                _HOSTS[rank] = None
-        return _HOSTS[rank]
+                started[r] = None
+        for r, host in started.items():  # each imports torch meanwhile
+            if host is None:
+                continue
+            try:
+                host._wait_ready()
+            except ZygoteUnavailable:
+                started[r] = None
+        _HOSTS.update(started)
 
 
-def start(rank: int, target: Callable[..., Any], args: tuple, log_path: str) -> Any:
+def _host(rank: int) -> Zygote | None:
+    prepare(rank + 1)
+    return _HOSTS[rank]
+
+
+def start(rank: int, target: Callable[..., Any], args: tuple, log_path: str,
+          workdir: str | None = None) -> Any:
     """Start rank `rank`'s process running target(*args), its output going to log_path. The
-    result has .pid, .join(timeout), .is_alive(), .exitcode (negative: killed by a signal)."""
+    result has .pid, .join(timeout), .is_alive(), .exitcode (negative: killed by a signal).
+    workdir: the run's folder, which the host removes if this process dies first."""
     host = _host(rank)
     if host is not None:
         try:
-            return host.start(target, args, log_path)
+            return host.start(target, args, log_path, workdir=workdir)
         except ZygoteUnavailable:
             pass
     with _LOCK, _environment(PYTHONHASHSEED=str(hash_seed(rank))):

@@ -145,9 +145,10 @@ class _Watch:
                     # (measured: 4x the CPU time of an engine exercise on one rank).
                     "threads": 1}
         (self.dir / "tasks.json").write_text(json.dumps(settings))
+        hosts.prepare(self.world_size)
         for r in self.ranks:
             r.process = hosts.start(r.rank, serve, (str(self.dir), r.rank, self.world_size),
-                                    str(r.log))
+                                    str(r.log), workdir=str(self.dir))
 
     def stop_all(self) -> None:
         for r in self.ranks:

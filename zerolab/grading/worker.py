@@ -185,7 +185,10 @@ class _Run:
 
 def serve(workdir: str, rank: int, world_size: int) -> None:
     """Rank `rank` of a grading run: see the module docstring."""
-    os.setsid()  # a process group of its own: the grader kills it and what it starts
+    # A process group of its own: the grader kills it and what it starts. (A rank forked by a
+    # zygote leads one already; a spawned one does not.)
+    if os.getsid(0) != os.getpid():
+        os.setsid()
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
     run = _Run(workdir, rank, world_size)
     run.references()
