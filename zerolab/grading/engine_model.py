@@ -83,20 +83,6 @@ def engine_cases(world_size: int) -> list[Case]:
 # ---- the stages -------------------------------------------------------------------------------
 
 
-class SettledDDP(DDP):
-    """zerolab's DDP, waiting for the all-reduces still in flight before each forward.
-
-    zerolab.comm divides an "avg" reduction when it is waited for, and DDP waits only in
-    step(): with two backward passes before a step (no no_sync()), the second backward adds
-    into buffers whose first all-reduce is summed but not yet divided, and the ranks end with
-    different gradients (measured: 0.03-0.06 off a single process's parameters after one SGD
-    step at N = 2). Waiting before the next forward settles the buffers first."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self._wait_pending()
-        return super().__call__(*args, **kwargs)
-
-
 @dataclass(frozen=True)
 class Stage:
     """A stage the learner builds: zerolab's engine of it, and what it may hold besides."""
@@ -115,7 +101,7 @@ class Stage:
         return self.engine(model, optimizer_cls, optimizer_tile_numel=None, **kwargs)
 
 
-STAGES = {"ddp": Stage("ddp", "DDP", SettledDDP, "2Ψ", "bucket"),
+STAGES = {"ddp": Stage("ddp", "DDP", DDP, "2Ψ", "bucket"),
           "zero2": Stage("zero2", "ZeRO-2", ZeRO2, "2Ψ", "bucket"),
           "zero3": Stage("zero3", "ZeRO-3", ZeRO3, "3Ψ", "unit")}
 
