@@ -132,7 +132,7 @@ class Tracker(_Tracker):
 @contextlib.contextmanager
 def tracked(categorize: Callable[[], dict[str, list[torch.Tensor]]]) -> Iterator[Tracker]:
     """Watch every storage the process allocates inside the block (as track_memory does)."""
-    tracker = Tracker(categorize, MemoryTrace())
+    tracker = Tracker(categorize, MemoryTrace(), activations=False)
     tracker.sample()  # what exists at entry
     with tracker:
         yield tracker
