@@ -122,7 +122,10 @@ def read_prediction(notebook: str | os.PathLike, name: str) -> float | None:
     value = values[-1]
     if isinstance(value, ast.Constant) and value.value is None:
         return None
-    return _number(value)
+    try:
+        return _number(value)
+    except NotANumber:  # say what the cell holds, not which part of it is not a number
+        raise NotANumber(ast.unparse(value)) from None
 
 
 # ---- grading ----------------------------------------------------------------------------------
