@@ -47,3 +47,15 @@ def test_fail_on_is_reported_by_rank_and_leaves_nothing_running():
     assert str(info.value).splitlines()[0] == (
         "rank 2 raised ValueError: rank 2 found a NaN in its batch")
     assert multiprocessing.active_children() == []
+
+
+def test_ranks_hash_strings_as_separate_pythons_do():
+    """Notebook 00's hang section prints this: each rank salts str hashes with its own seed, as
+    torchrun's ranks (new Pythons) do, unless the caller fixed PYTHONHASHSEED for all of them."""
+    import os
+
+    hashes = zerolab.launch(n00_launch.string_hash, world_size=3)
+    if "PYTHONHASHSEED" in os.environ:
+        assert len(set(hashes)) == 1
+    else:
+        assert len(set(hashes)) == 3

@@ -123,9 +123,9 @@ def set_orders(names: list[str], world_size: int) -> list[list[str]]:
     """For each rank: `list(set(names))` as a new Python process computes it, each rank with its
     own hash seed (PYTHONHASHSEED), the first seeds from 1 up whose orders all differ.
 
-    Under torchrun every rank is a new Python whose str hashes are salted at random, so a loop
-    over a set of names runs in a different order on each rank. zerolab's ranks are forked from
-    one process and share its salt, so each rank asks a new Python here, as torchrun would.
+    Every rank is a Python with its own random str-hash salt, under torchrun and zerolab.launch
+    alike (`string_hash`), so a loop over a set runs in its own order on each rank, and may by
+    chance agree (1 time in 6 for 3 names): fixed seeds make the lesson's hang happen every run.
     """
     orders: list[list[str]] = []
     seed = 0
@@ -190,3 +190,11 @@ def provoke_hang(case: str, world_size: int = 2, timeout: float = 60.0) -> HangV
         return HangVerdict(case, type(err).__name__, str(err).splitlines()[0],
                            err.explanation, time.perf_counter() - start)
     raise AssertionError(f"{case}: the ranks did not hang")
+
+
+def string_hash(name: str = "wte") -> int:
+    """On each rank: Python's hash of `name`. Python salts str hashes with a seed it picks when it
+    starts (PYTHONHASHSEED); torchrun's ranks are new Pythons, and zerolab's are forked from a
+    helper of their own, each with its own seed (zerolab/launcher/zygote.py): the values differ
+    from rank to rank, and so does the order of a set of names."""
+    return hash(name)
