@@ -459,7 +459,7 @@ def test_a_solved_copy_is_green_but_for_a_wrong_answer(tmp_path):
     test only, with the grader's message and hint."""
     copy = tmp_path / "repo"
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
-    for folder in ("zerolab", "solutions", "exercises", "tests/grading_wrong"):
+    for folder in ("zerolab", "solutions", "exercises", "tests/grading_wrong", "tests/workers"):
         shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
     for file in ("pyproject.toml", "tests/test_grading.py", "tests/mutation.py",
                  "tests/conftest.py", "tests/patches.py"):

@@ -9,6 +9,7 @@ resume at 2 ranks and the crash mid-save have a launch each; the rest runs in th
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -121,12 +122,21 @@ def test_loss_curves_start_equal_and_go_down(runs):
 
 
 def test_the_checkpoint_holds_a_quarter_of_each_unit_per_rank(runs, folder):
+    """Each rank's DCP file holds rectangles of the model's tensors: a quarter of each unit's
+    elements, and as many of SGD's momentum."""
+    from zerolab.units import make_units
+
+    model = GPT(lesson.MODEL)
+    names = {p: n for n, p in model.named_parameters()}
+    units = {u.name: [names[p] for p in u.params] for u in make_units(model)}
     numels = lesson.unit_numels()
     for rank in range(N):
-        pieces = lesson.pieces_in(folder, rank)
-        assert [p.length for p in pieces] == [n // N for n in numels.values()]
-        assert all(p.start == rank * p.length for p in pieces)
-        assert all(p.keys == ["param", "momentum_buffer"] for p in pieces)
+        chunks = lesson.chunks_in(folder, rank)
+        for unit, params in units.items():
+            for prefix, suffix in (("model.", ""), ("optimizer.state.", ".momentum_buffer")):
+                held = sum(math.prod(c.sizes) for c in chunks
+                           if c.key in {f"{prefix}{n}{suffix}" for n in params})
+                assert held == numels[unit] // N, (rank, unit, prefix)
 
 
 def test_resumed_at_2_with_zero2_continues_as_if_uninterrupted(runs, folder):
@@ -141,8 +151,8 @@ def test_a_crash_mid_save_leaves_the_previous_checkpoint(tmp_path):
     zerolab.launch(lesson.sgd_run, 1, args=("ZeRO-3", range(1), None, folder), timeout=300)
     crash = lesson.crash_mid_save(folder)
     assert "exited with code 1" in crash.error
-    assert crash.after == ["LATEST", "save-000001", "save-000002"]
-    assert crash.crashed_files == ["rank0.pt"] and crash.latest == "save-000001"
+    assert crash.after == ["LATEST", "LOCK", "save-000001", "save-000002"]
+    assert crash.crashed_files == ["__0_0.distcp"] and crash.latest == "save-000001"
     assert crash.same_as_before
     assert os.path.basename(checkpoint.latest(folder)) == "save-000001"
 

@@ -1,253 +1,447 @@
-"""Sharded checkpoints that survive a crash, and load at any world size or stage.
+"""Checkpoints in torch's format (torch.distributed.checkpoint, DCP) that survive a crash and
+load at any world size, into any engine, and into FSDP2 or a plain model.
 
-    zerolab.checkpoint.save(engine, "ckpt/")      # collective: each rank writes what it owns
-    zerolab.checkpoint.load(engine, "ckpt/")      # collective: any engine, any world size
-    full = zerolab.checkpoint.consolidate("ckpt/")  # {"model": state_dict, "optimizer": {...}}
-    zerolab.checkpoint.load_full(engine, full)
+    path = zerolab.checkpoint.save(engine, "ckpt/")   # collective; returns the DCP folder
+    zerolab.checkpoint.load(engine, "ckpt/")          # collective: any engine, any world size
+    full = zerolab.checkpoint.consolidate("ckpt/")    # one process: full tensors, torch's keys
 
-What a rank owns is described by *pieces*: a run of named parameters laid end to end (a flat
-bucket, or a single parameter), the slice of it this rank holds, and the optimizer state for
-that slice. A piece says which parameter names it covers, so a checkpoint does not depend on the
-layout that wrote it: loading assembles full per-parameter tensors and each rank cuts its own
-shard under its own layout.
+What is written: DCP's format, keyed as torch keys it (parts/state_dicts.py): "model" holds the
+plain model's state_dict keys, "optimizer" what FSDP2's get_optimizer_state_dict gives
+({"state": {name: {"exp_avg", "exp_avg_sq", "step"}}, "param_groups": [...]}). Each rank writes
+what it holds as rectangular chunks of the full tensors. So:
 
-Crash safety: each save writes a new version, `ckpt/save-000003/` (every rank its file, then
-rank 0 the manifest), and only then points `ckpt/LATEST` at it, with an atomic rename; older
-versions are deleted after that. A save killed half-way leaves `LATEST` on the previous
-version, which still loads; a folder whose only save never finished is refused.
+    torch.distributed.checkpoint.format_utils.dcp_to_torch_save(path, "model.pt")
+    model.load_state_dict(torch.load("model.pt")["model"])       # one process, exactly
+
+and FSDP2 loads it with dcp.load({"model": get_model_state_dict(m), "optimizer":
+get_optimizer_state_dict(m, opt)}, checkpoint_id=path) then set_state_dict; `load` reads a
+folder FSDP2 wrote the same way.
+
+Crash safety: each save writes a new version, `ckpt/save-000003/` (DCP writes every rank's file,
+then `.metadata`, the manifest, last), and only then points `ckpt/LATEST` at it by an atomic
+rename; older versions are deleted after that. A save killed half-way leaves `LATEST` on the
+previous version, which still loads.
+
+One writer per folder: the first save of a job into a folder takes `ckpt/LOCK` (an flock, which
+the kernel drops when the process ends, however it ends) and writes who holds it; another job's
+save is refused with that job's pid, host and start time.
+
+A damaged checkpoint is refused by name, with what to do: LATEST not naming a version folder of
+its own folder (`../x`, `/abs`, garbage, not UTF-8), a manifest missing or unreadable, a rank's
+file missing, empty or shorter than the manifest says, a tensor whose chunks do not cover it
+(a rank's part missing from the manifest: never zeros). Every rank checks the same files, and
+the ranks agree (one all-reduce) before any of them reads.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
+import re
 import shutil
-from dataclasses import asdict, dataclass, field
+import socket
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from zerolab import comm
-from zerolab.parts.materialize import param_names, where
-from zerolab.sharding import local_values
+from zerolab.parts import state_dicts
+from zerolab.parts.materialize import where
 
-FORMAT = 2
-MANIFEST = "manifest.json"
 LATEST = "LATEST"  # the name of the last complete version, replaced atomically
+LOCK = "LOCK"  # held (flock) by the job that saves into this folder; says who that is
+MANIFEST = ".metadata"  # DCP's manifest, written last by the coordinator
+VERSION = re.compile(r"save-\d{6}")
+_held_locks: dict[str, int] = {}  # this process's locks: real folder path -> open descriptor
 
 
 class CheckpointError(RuntimeError):
-    """The folder is not a complete zerolab checkpoint."""
+    """The folder is not a complete, undamaged checkpoint (the message says which file)."""
 
 
-@dataclass
-class Piece:
-    """A contiguous part of a run of named parameters laid end to end."""
-
-    names: list[str]  # the parameters, in flat order
-    shapes: list[tuple[int, ...]]  # their shapes
-    start: int  # first flat element held here
-    tensors: dict[str, torch.Tensor]  # "param" and per-element optimizer state, all (length,)
-    scalars: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. Adam's "step"
+# ---- save ----------------------------------------------------------------------------------
 
 
-def pieces(engine) -> list[Piece]:
-    """What this rank writes: a piece per slot it holds (read from the engine's public layout).
+def save(engine, folder: str) -> str:
+    """Collective: write a new version of `engine`'s state into `folder`; returns its DCP folder.
 
-    A sharded slot (ZeRO) is this rank's shard of a bucket; a whole one (DDP, and frozen
-    parameters outside ZeRO-3) is the same on every rank, so rank 0 alone writes it.
+    Every rank of engine.job_group writes its own chunks (HSDP's replicas write theirs once).
     """
-    names = param_names(engine.module)
-    held = [*zip(engine.slots, engine.masters), *((s, s.tensor) for s in engine.frozen_slots())]
-    out = []
-    for slot, master in held:
-        if slot.layout is None and engine.rank != 0:
-            continue
-        start = 0 if slot.layout is None else slot.layout.shard_range(engine.rank)[0]
-        tensors, scalars = _optimizer_state(engine.tiles.state(engine.optimizer, master),
-                                            master.numel())
-        # The layout keeps the shapes: ZeRO-3's parameters are empty at rest.
-        shapes = [tuple(p.shape) for p in slot.params] if slot.layout is None else [
-            tuple(s) for s in slot.layout.shapes]
-        param = master.detach().float().reshape(-1).clone()
-        out.append(Piece([names[p] for p in slot.params], shapes, start,
-                         {"param": param, **tensors}, scalars))
-    return out
-
-
-def _optimizer_state(state: dict, numel: int):
-    """Split one master's optimizer state (tiles.py joins its tiles') into per-element tensors
-    and scalars."""
-    tensors, scalars = {}, {}
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.numel() == numel and value.dim() > 0:
-            tensors[key] = value.detach().reshape(-1).clone()
-        else:
-            scalars[key] = value.clone() if torch.is_tensor(value) else value
-    return tensors, scalars
-
-
-def save(engine, folder: str) -> None:
-    """Collective: every rank writes rank{r}.pt; rank 0 writes the manifest last.
-
-    r is the rank in the whole job (engine.job_group): HSDP's replicas each write their file.
-    """
-    rank, world_size, _ = where(engine.job_group)
-    tag = f"{engine.name}/checkpoint"
+    rank, _, _ = where(engine.job_group)
+    tag = f"{getattr(engine, 'name', 'engine')}/checkpoint"
+    group = engine.job_group
     engine.wait_params()  # parameters gathered asynchronously after step() are complete
     os.makedirs(folder, exist_ok=True)
+    _agree(lock(folder) if rank == 0 else None, group, tag, lambda: _locked(folder))
     version = f"save-{1 + max(_versions(folder), default=0):06d}"  # after any crashed one
-    comm.barrier(tag=tag, group=engine.job_group)  # every rank chose before any creates it
+    _barrier(tag, group)  # every rank chose before any creates it
     target = os.path.join(folder, version)
-    os.makedirs(target, exist_ok=True)
-    payload = {
-        "pieces": [asdict(p) for p in pieces(engine)],
-        "buffers": {k: v.detach().clone() for k, v in engine.module.named_buffers()}
-        if rank == 0 else {},
-    }
-    _write_atomically(os.path.join(target, f"rank{rank}.pt"), lambda f: torch.save(payload, f))
-    comm.barrier(tag=tag, group=engine.job_group)  # every rank's file is complete
+    if hasattr(engine, "slots"):  # a zerolab engine: its chunks
+        state_dicts.write(state_dicts.engine_state_dict(engine), target, group)
+    else:  # torch's (zerolab.bench.baselines): its own state dicts, the same keys
+        dcp.save(_torch_state_dict(engine), storage_writer=dcp.FileSystemWriter(target),
+                 process_group=group)
     if rank == 0:
-        first_name = {p: n for n, p in engine.module.named_parameters()}
-        aliases = {n: first_name[p]  # tied weights: every name the model's state_dict uses
-                   for n, p in engine.module.named_parameters(remove_duplicate=False)
-                   if first_name[p] != n}
-        manifest = {"format": FORMAT, "engine": engine.name, "world_size": world_size,
-                    "files": [f"rank{r}.pt" for r in range(world_size)],
-                    "aliases": aliases}
-        _write_atomically(os.path.join(target, MANIFEST),
-                          lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         # The moment the new version counts: before this rename, LATEST names the old one.
-        _write_atomically(os.path.join(folder, LATEST), lambda f: f.write(version.encode()))
+        _write_atomically(os.path.join(folder, LATEST), version.encode())
         for old in _versions(folder):
             if f"save-{old:06d}" != version:
                 shutil.rmtree(os.path.join(folder, f"save-{old:06d}"), ignore_errors=True)
-    comm.barrier(tag=tag, group=engine.job_group)
+    _barrier(tag, group)
+    return target
+
+
+def _barrier(tag: str, group: dist.ProcessGroup | None) -> None:
+    if dist.is_initialized():  # else one process: nobody to wait for
+        comm.barrier(tag=tag, group=group)
+
+
+def _torch_state_dict(engine) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = get_state_dict(engine.module, engine.optimizer)
+    return {state_dicts.MODEL: model, state_dicts.OPTIMIZER: optimizer}
 
 
 def _versions(folder: str) -> list[int]:
     """The numbers of the save-NNNNNN folders in `folder` (complete or not)."""
-    return [int(n[5:]) for n in os.listdir(folder) if n.startswith("save-") and n[5:].isdigit()]
+    return [int(n[5:]) for n in os.listdir(folder) if VERSION.fullmatch(n)]
 
 
-def _write_atomically(path: str, write) -> None:
-    """The file at `path` is either the old one or complete: written aside, then renamed."""
+def _write_atomically(path: str, data: bytes) -> None:
+    """The file at `path` is either the old one or complete: written aside, synced, renamed."""
     with open(path + ".tmp", "wb") as f:
-        write(f)
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(path + ".tmp", path)
 
 
+# ---- one writer per folder -----------------------------------------------------------------
+
+
+def lock(folder: str) -> str | None:
+    """Take `folder`'s LOCK for this process (kept until it ends, or `unlock`). Returns None,
+    or why not: the other job's pid, host and start time."""
+    key = os.path.realpath(folder)
+    if key in _held_locks:
+        return None
+    path = os.path.join(folder, LOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return _locked(folder)
+    owner = {"pid": os.getpid(), "host": socket.gethostname(),
+             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(owner).encode(), 0)
+    _held_locks[key] = fd
+    return None
+
+
+def unlock(folder: str) -> None:
+    """Let another job save into `folder` while this process lives on (a notebook's kernel)."""
+    fd = _held_locks.pop(os.path.realpath(folder), None)
+    if fd is not None:
+        os.close(fd)  # closing the descriptor drops the flock
+
+
+def _locked(folder: str) -> str:
+    return (f"{folder} is being saved into by another job: {_owner_text(folder)}. Two jobs "
+            f"saving into one folder would delete each other's versions. Save into another "
+            f"folder, or wait for that job to end (its lock ends with its process).")
+
+
+def _owner_text(folder: str) -> str:
+    try:
+        with open(os.path.join(folder, LOCK), "rb") as f:
+            owner = json.loads(f.read().decode())
+        return f"pid {owner['pid']} on host {owner['host']}, saving here since {owner['started']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a job that has not written its name yet"
+
+
+# ---- finding and checking a version --------------------------------------------------------
+
+
 def latest(folder: str) -> str:
-    """The folder of the last complete save in `folder`."""
+    """The DCP folder to load from `folder`: the version its LATEST names, or `folder` itself
+    when it is a DCP checkpoint (written by FSDP2's dcp.save, say)."""
     pointer = os.path.join(folder, LATEST)
     if not os.path.exists(pointer):
+        if os.path.exists(os.path.join(folder, MANIFEST)):
+            return folder
         started = sorted(_versions(folder)) if os.path.isdir(folder) else []
+        complete = _complete(folder) if started else []
         raise CheckpointError(
             f"{folder} holds no complete checkpoint: {LATEST} is missing" +
-            (f", and the save that made save-{started[-1]:06d} did not finish." if started
+            (f" (it names the last complete version), yet {complete[0]} has a manifest: if it "
+             f"is whole, write its name into {pointer}." if complete else
+             f", and the save that made save-{started[-1]:06d} did not finish." if started
              else "."))
-    with open(pointer) as f:
-        return os.path.join(folder, f.read().strip())
+    with open(pointer, "rb") as f:
+        raw = f.read()
+    fix = (f"Write into {pointer} the name of the newest version folder that holds a {MANIFEST} "
+           f"({', '.join(_complete(folder)) or 'none here'}), or save again.")
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer} is damaged: not UTF-8 text ({raw[:16]!r}...). "
+                              f"{fix}") from None
+    if not VERSION.fullmatch(name):
+        raise CheckpointError(f"{pointer} names {name[:80]!r}, not a version folder of {folder} "
+                              f"(save-NNNNNN): LATEST never leaves its own folder. {fix}")
+    if not os.path.isdir(os.path.join(folder, name)):
+        raise CheckpointError(f"{pointer} names {name}, which is not in {folder}. {fix}")
+    return os.path.join(folder, name)
 
 
-def consolidate(folder: str) -> dict:
-    """Read a checkpoint folder into full tensors: {"model": state, "optimizer": {name: state}}.
+def _complete(folder: str) -> list[str]:
+    return [f"save-{v:06d}" for v in sorted(_versions(folder), reverse=True)
+            if os.path.exists(os.path.join(folder, f"save-{v:06d}", MANIFEST))]
 
-    "model" holds every parameter (by its first name, tied weights once) and buffer;
-    "optimizer" holds, per trainable parameter, its full optimizer state.
-    """
-    folder = latest(folder)
-    with open(os.path.join(folder, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{folder}: unknown checkpoint format {manifest.get('format')}")
-    pieces, buffers = [], {}
-    for name in manifest["files"]:
-        path = os.path.join(folder, name)
-        if not os.path.exists(path):
-            raise CheckpointError(f"{folder} is not a complete checkpoint: {name} is missing.")
-        payload = torch.load(path, weights_only=False)
-        pieces += [Piece(**p) for p in payload["pieces"]]
-        buffers.update(payload["buffers"])
-    full = _assemble(pieces, buffers)
-    for alias, name in manifest.get("aliases", {}).items():
-        full["model"][alias] = full["model"][name]  # so that load_state_dict(strict=True) works
+
+def manifest(version: str) -> Metadata:
+    """The DCP manifest of the checkpoint folder `version`, every file it names checked:
+    present, and as long as the manifest says; every tensor covered by its chunks."""
+    path = os.path.join(version, MANIFEST)
+    again = "Load an earlier version (a save-NNNNNN folder with a whole manifest) or save again."
+    if not os.path.exists(path):
+        raise CheckpointError(f"{version} is not a complete checkpoint: {path} is missing (DCP "
+                              f"writes it last, once every rank's file is complete): the save "
+                              f"did not finish. {again}")
+    if os.path.getsize(path) == 0:
+        raise CheckpointError(f"{path} is empty: the checkpoint's manifest is damaged. {again}")
+    try:
+        metadata = state_dicts.read_metadata(version)
+    except Exception as e:  # a pickle cut short or overwritten: many exception types
+        raise CheckpointError(f"{path} is damaged: not a DCP manifest ({type(e).__name__}: "
+                              f"{str(e)[:120]}). {again}") from None
+    if not isinstance(metadata, Metadata) or metadata.storage_data is None:
+        raise CheckpointError(f"{path} is damaged: not a DCP manifest. {again}")
+    needed: dict[str, int] = {}  # file -> the bytes the manifest reads from it
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(version, name)
+        if not os.path.exists(file):
+            raise CheckpointError(f"{file} is missing: the manifest reads {size:,} bytes of "
+                                  f"this checkpoint from it (one rank's part). {again}")
+        have = os.path.getsize(file)
+        if have < size:
+            raise CheckpointError(f"{file} is {'empty' if have == 0 else 'truncated'}: "
+                                  f"{have:,} bytes, the manifest reads {size:,} from it. {again}")
+    for key, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            _check_covered(path, key, md, metadata, again)
+    return metadata
+
+
+def _check_covered(path: str, key: str, md: TensorStorageMetadata, metadata: Metadata,
+                   again: str) -> None:
+    """Every element of tensor `key` in exactly one chunk, and every chunk's data named."""
+    numel, covered = math.prod(md.size), 0
+    for i, c in enumerate(md.chunks):
+        if any(o < 0 or o + s > n for o, s, n in zip(c.offsets, c.sizes, md.size)):
+            raise CheckpointError(f"{path}: a chunk of {key} lies outside its shape "
+                                  f"{tuple(md.size)}. {again}")
+        for d in md.chunks[:i]:
+            if all(a < b + t and b < a + s
+                   for a, s, b, t in zip(c.offsets, c.sizes, d.offsets, d.sizes)) and numel:
+                raise CheckpointError(f"{path}: two chunks of {key} overlap. {again}")
+        covered += math.prod(c.sizes)
+        if MetadataIndex(key, c.offsets) not in metadata.storage_data:
+            raise CheckpointError(f"{path}: a chunk of {key} at {tuple(c.offsets)} has no data "
+                                  f"in any file. {again}")
+    if covered != numel:
+        raise CheckpointError(f"{path}: {key} is not whole: its chunks cover {covered:,} of its "
+                              f"{numel:,} elements (a rank's part is missing from the manifest). "
+                              f"{again}")
+
+
+def _agree(problem: str | None, group: dist.ProcessGroup | None, tag: str,
+           otherwise: Callable[[], str]) -> None:
+    """Raise CheckpointError on every rank if any rank has a problem (so that none of them
+    goes on into a collective the others never join)."""
+    if dist.is_initialized():
+        flag = torch.tensor([0 if problem is None else 1])
+        comm.all_reduce(flag, tag=f"{tag}/agree", group=group)
+        if flag.item() and problem is None:
+            problem = otherwise()
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def _checked(folder: str, group: dist.ProcessGroup | None, tag: str) -> tuple[str, Metadata]:
+    """The version to load from `folder` and its manifest; every rank raises if any rank
+    found it damaged."""
+    try:
+        version = latest(folder)
+        metadata, problem = manifest(version), None
+    except CheckpointError as e:
+        version, metadata, problem = "", None, str(e)
+    _agree(problem, group, tag, lambda: f"another rank found {folder} damaged (see its error)")
+    return version, metadata
+
+
+# ---- load ----------------------------------------------------------------------------------
+
+
+def load(engine, folder: str, strict: bool = True) -> None:
+    """Collective: restore `engine` from `folder` (a zerolab checkpoint folder, or any DCP
+    folder keyed the same way: FSDP2's). strict: every key of the checkpoint's model must be
+    one of the model's, as torch's load_state_dict(strict=True)."""
+    group = engine.job_group
+    tag = f"{getattr(engine, 'name', 'engine')}/checkpoint"
+    version, metadata = _checked(folder, group, tag)
+    if not hasattr(engine, "slots"):
+        return _load_torch(engine, version, metadata)
+    where_of = state_dicts.paths(metadata)
+    model, optimizer_keys, group_keys, root = _layout(where_of, metadata)
+    problem = _compare(engine, model, strict, version)
+    _agree(problem, group, tag, lambda: "another rank refused the checkpoint (see its error)")
+    loading = state_dicts.targets(engine, optimizer_keys, group_keys)
+    if root != state_dicts.OPTIMIZER:  # "optim", as in torch's DCP tutorial
+        loading.sd[root] = loading.sd.pop(state_dicts.OPTIMIZER)
+    _prune(loading.sd)
+    engine.wait_params()  # a gather still in flight would overwrite what we load
+    try:
+        state_dicts.read(loading.sd, version, group)
+    except Exception as e:  # DCP gathers every rank's failure into one CheckpointException
+        raise CheckpointError(f"reading {version} failed ({type(e).__name__}): "
+                              f"{str(e)[:400]}") from e
+    if root in loading.sd:
+        loading.sd[state_dicts.OPTIMIZER] = loading.sd.pop(root)
+    state_dicts.finish_load(engine, loading)
+
+
+def _layout(where_of: dict[str, tuple], metadata: Metadata):
+    """What a checkpoint holds: {model key: metadata}, {param name: {state key: tensor
+    metadata or None}}, the option names of each param group, and the optimizer's root key."""
+    model, optimizer_keys, groups = {}, {}, {}
+    root = state_dicts.OPTIMIZER
+    for key, path in where_of.items():
+        md = metadata.state_dict_metadata[key]
+        tensor_md = md if isinstance(md, TensorStorageMetadata) else None
+        if len(path) == 2 and path[0] == state_dicts.MODEL:
+            model[path[1]] = tensor_md
+        elif len(path) == 4 and path[0] in ("optimizer", "optim") and path[1] == "state":
+            root = path[0]
+            optimizer_keys.setdefault(path[2], {})[path[3]] = (
+                None if tensor_md is None else (tensor_md.size, tensor_md.properties.dtype))
+        elif len(path) == 4 and path[0] in ("optimizer", "optim") and path[1] == "param_groups":
+            root = path[0]
+            groups.setdefault(int(path[2]), []).append(path[3])
+    return model, optimizer_keys, [groups[i] for i in sorted(groups)], root
+
+
+def _compare(engine, model: dict[str, TensorStorageMetadata | None], strict: bool,
+             version: str) -> str | None:
+    """Why the checkpoint's model does not fit `engine`'s, or None."""
+    params, buffers = state_dicts.state_dict_keys(engine.module)
+    missing = [k for k in params if k not in model and
+               not any(q is params[k] and q_k in model for q_k, q in params.items())]
+    missing += [k for k in buffers if k not in model]
+    if missing:
+        return (f"{version} has no values for {len(missing)} of the model's keys: "
+                f"{missing[:5]}. Is it a checkpoint of this model?")
+    unexpected = [k for k in model if k not in params and k not in buffers]
+    if strict and unexpected:
+        return (f"{version} holds keys this model does not have: {unexpected[:5]} (load with "
+                f"strict=False to ignore them).")
+    shapes = {**{k: p for k, p in params.items()}, **buffers}
+    for key, md in model.items():
+        if key in shapes and md is not None and tuple(md.size) != _full_shape(engine, shapes[key]):
+            return (f"{version}: {key} has shape {tuple(md.size)}, the model's is "
+                    f"{_full_shape(engine, shapes[key])}.")
+    return None
+
+
+def _full_shape(engine, t: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's full shape (ZeRO-3's are empty at rest: their layout knows it)."""
+    for slot, _ in state_dicts.held(engine):
+        for i, p in enumerate(slot.params):
+            if p is t and slot.layout is not None:
+                return tuple(slot.layout.shapes[i])
+    return tuple(t.shape)
+
+
+def _prune(sd: dict) -> None:
+    """Drop empty dicts and lists: DCP would look for them in the checkpoint."""
+    for k in list(sd):
+        if isinstance(sd[k], dict):
+            _prune(sd[k])
+        if isinstance(sd[k], (dict, list)) and not sd[k]:
+            del sd[k]
+
+
+def _load_torch(engine, version: str, metadata: Metadata) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_state_dict,
+        set_state_dict,
+    )
+
+    model, optimizer = get_state_dict(engine.module, engine.optimizer)
+    has_optimizer = any(str(k).startswith("optimizer.") for k in metadata.state_dict_metadata)
+    sd = {"model": model, **({"optimizer": optimizer} if has_optimizer else {})}
+    dcp.load(sd, checkpoint_id=version, process_group=engine.job_group)
+    set_state_dict(engine.module, engine.optimizer, model_state_dict=sd["model"],
+                   optim_state_dict=sd.get("optimizer", optimizer),
+                   options=StateDictOptions(strict=True))
+
+
+# ---- one process: full tensors -------------------------------------------------------------
+
+
+def consolidate(folder: str) -> dict[str, Any]:
+    """Read a checkpoint (the version LATEST names) into full tensors, in this process only:
+    {"model": the plain model's state_dict, "optimizer": {"state": .., "param_groups": ..}},
+    what `format_utils.dcp_to_torch_save` writes to a file."""
+    version = latest(folder)
+    metadata = manifest(version)
+    full: dict[str, Any] = {}
+    for key, path in state_dicts.paths(metadata).items():
+        md = metadata.state_dict_metadata[key]
+        _set(full, path, torch.empty(md.size, dtype=md.properties.dtype)
+             if isinstance(md, TensorStorageMetadata) else None)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(full, checkpoint_id=version, no_dist=True)
     return full
 
 
-def _assemble(pieces: list[Piece], buffers: dict) -> dict:
-    runs: dict[tuple[str, ...], list[Piece]] = {}
-    for piece in pieces:
-        runs.setdefault(tuple(piece.names), []).append(piece)
-    model, optimizer = dict(buffers), {}
-    for names, parts in runs.items():
-        shapes = [torch.Size(s) for s in parts[0].shapes]
-        numel = sum(s.numel() for s in shapes)
-        for key in parts[0].tensors:
-            # (padded numel,) the whole run, filled from every rank's part; padding dropped below
-            flat = torch.zeros(max(p.start + p.tensors[key].numel() for p in parts),
-                               dtype=parts[0].tensors[key].dtype)
-            for p in parts:
-                flat[p.start:p.start + p.tensors[key].numel()] = p.tensors[key]
-            offset = 0
-            for name, shape in zip(names, shapes):
-                value = flat[offset:offset + shape.numel()].view(shape).clone()
-                offset += shape.numel()
-                if key == "param":
-                    model[name] = value
-                else:
-                    optimizer.setdefault(name, {})[key] = value
-            assert offset == numel
-        for name in names:
-            if name in optimizer:
-                optimizer[name].update(parts[0].scalars)
-    return {"model": model, "optimizer": optimizer}
+def _set(sd: Any, path: tuple, value: Any) -> None:
+    """sd[path[0]][path[1]]... = value, making dicts (and lists, for integer keys) on the way."""
+    for key, nxt in zip(path[:-1], path[1:]):
+        empty: Any = [] if isinstance(nxt, int) else {}
+        if isinstance(sd, list):
+            sd.extend([None] * (key + 1 - len(sd)))
+            if sd[key] is None:
+                sd[key] = empty
+        elif key not in sd:
+            sd[key] = empty
+        sd = sd[key]
+    if isinstance(sd, list):
+        sd.extend([None] * (path[-1] + 1 - len(sd)))
+    sd[path[-1]] = value
 
 
-def load(engine, folder: str) -> None:
-    """Collective in effect (every rank must call it): restore a checkpoint into `engine`."""
-    load_full(engine, consolidate(folder))
-
-
-def load_full(engine, full: dict) -> None:
-    """Load a consolidated checkpoint (or a plain model state_dict as full["model"]).
-
-    Every rank cuts its own part of the full tensors under its own layout, so the checkpoint
-    may come from any stage at any world size.
-    """
-    params, optimizer_state = full["model"], full.get("optimizer", {})
-    missing = [n for n, _ in engine.module.named_parameters() if n not in params]
-    if missing:
-        raise CheckpointError(f"the checkpoint has no values for parameters {missing[:5]}")
-    names = param_names(engine.module)
-    held = [*zip(engine.slots, engine.masters), *((s, s.tensor) for s in engine.frozen_slots())]
-    engine.wait_params()  # a gather still in flight would overwrite what we load
-    with torch.no_grad():
-        for name, p in engine.module.named_parameters():
-            if p.numel() > 0:  # held in full now (ZeRO-3's resharded parameters are empty)
-                p.copy_(params[name])
-        for slot, master in held:
-            values = [params[names[p]] for p in slot.params]
-            for target in {id(t): t for t in (slot.tensor, master)}.values():
-                target.copy_(local_values(values, slot.layout, engine.rank).view_as(target))
-        for name, buf in engine.module.named_buffers():
-            if name in params:
-                buf.copy_(params[name])
-    for slot, master in zip(engine.slots, engine.masters):
-        state = _slot_optimizer_state(optimizer_state, [names[p] for p in slot.params], slot,
-                                      engine.rank)
-        if state:
-            engine.tiles.load_state(engine.optimizer, master, state)
-
-
-def _slot_optimizer_state(optimizer_state: dict[str, dict], names: list[str], slot,
-                          rank: int) -> dict:
-    """This rank's part of the full per-parameter optimizer state of one slot."""
-    first = optimizer_state.get(names[0], {})
-    state = {}
-    for key, value in first.items():
-        if torch.is_tensor(value) and value.dim() > 0:  # per element: take our part
-            values = [optimizer_state[n][key] for n in names]
-            state[key] = local_values(values, slot.layout, rank).clone()
-        else:  # per tensor, e.g. Adam's step count
-            state[key] = value.clone() if torch.is_tensor(value) else value
-    return state
+def load_full(engine, full: dict[str, Any]) -> None:
+    """Load full tensors (consolidate's, torch.load of dcp_to_torch_save's file, or
+    {"model": a plain model's state_dict}) into `engine`: each rank takes its own part."""
+    problem = _compare(engine, {k: None for k in full["model"]}, False, "the state dict")
+    if problem:
+        raise CheckpointError(problem)
+    state_dicts.load_engine_state_dict(engine, full)

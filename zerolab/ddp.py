@@ -25,49 +25,63 @@ The stages that follow subclass this one and override its hooks, nothing else:
     _after_step     nothing               all-gather params   ZeRO-1's            nothing
     _slots          each param, whole     own shard / bucket  ZeRO-1's            own shards
 
-Mixed precision (mixed_precision.py), clipping (clipping.py) and checkpoints (checkpoint.py)
-read the engine's public layout (`buckets`, `slots`, `masters`); they are not stage code.
+Besides the stage: parts/engine_base.py (forward, no_sync, clipping, full_state_dict) and the
+torch habits routed to the engine (parts/habits.py, buffers.py, param_groups.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
-from zerolab.memory import StateTensors, model_state_bytes, optimizer_tensors
+from zerolab.memory import StateTensors, optimizer_tensors
 from zerolab.parts.arguments import check_engine_arguments
-from zerolab.parts.clipping import clip_grad_norm_
+from zerolab.parts.buffers import BufferSync
+from zerolab.parts.engine_base import EngineBase
+from zerolab.parts.habits import route_zero_grad
 from zerolab.parts.materialize import broadcast_from_rank0, materialize, where
 from zerolab.parts.mixed_precision import MixedPrecisionPolicy
+from zerolab.parts.param_groups import ParamGroups, bucket_params
 from zerolab.parts.tiles import OptimizerTiles, default_tile_numel
 from zerolab.sharding import Bucket, FlatLayout, Slot
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB: small, so that the course's small models get buckets
 
 
-class DDP:
+@dataclass
+class GradBucket(Bucket):
+    fresh: bool = False  # gradients were accumulated into it since its last reduction
+
+
+class DDP(EngineBase):
     """Data parallel with bucketed gradient all-reduce overlapping backward.
 
     engine = DDP(model, torch.optim.AdamW, lr=1e-3)
     loss_fn(engine(x), y).backward(); engine.step(); engine.zero_grad()
+
+    param_groups=[{"params": [...], "weight_decay": 0.1}, ...] as torch's (param_groups.py);
+    broadcast_buffers=False: no broadcast of rank 0's buffers before a forward (buffers.py).
     """
 
     name = "ddp"  # first part of every comm tag
+    grads_in_buckets = True  # every .grad is a view into its bucket's flat_grad (not ZeRO-2/3)
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
                  group: dist.ProcessGroup | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  param_dtype: torch.dtype | None = None,
                  optimizer_tile_numel: int | None | Literal["auto"] = "auto",
-                 **optimizer_kwargs):
-        check_engine_arguments(model, optimizer_cls)
+                 param_groups: Sequence[dict[str, Any]] | None = None,
+                 broadcast_buffers: bool = True, **optimizer_kwargs):
+        check_engine_arguments(model, optimizer_cls, optimizer_kwargs)
+        self.groups = ParamGroups.of(model, param_groups)  # which parameters share a bucket
         self.module = model
         self.group = group
         self.job_group = group  # every rank of this training job (HSDP's spans several groups)
@@ -77,6 +91,7 @@ class DDP:
         self._backward_seen = False  # a gradient was accumulated since the last step
         self._grads_synced = False  # this step's gradients are reduced (step or clipping did it)
         self._sync = True  # False inside no_sync(): gradients accumulate locally, unreduced
+        self._views: dict[nn.Parameter, torch.Tensor] = {}  # each .grad's view into its bucket
         self._materialize()  # a model built on the meta device gets its values here
         broadcast_from_rank0(model, group, tag=f"{self.name}/init")
         self.precision = MixedPrecisionPolicy(param_dtype)
@@ -89,13 +104,19 @@ class DDP:
         if optimizer_tile_numel == "auto":
             optimizer_tile_numel = default_tile_numel(self.device)
         self.tiles = OptimizerTiles(self.masters, optimizer_tile_numel)
-        self.optimizer = optimizer_cls(self.tiles.params(), **optimizer_kwargs)
+        self.optimizer = optimizer_cls(self.groups.optimizer_params(self.slots, self.tiles),
+                                       **optimizer_kwargs)
         self.tiles.attach(self.optimizer)
         for bucket in self.buckets:
             for p in bucket.params:
+                if self.grads_in_buckets:  # before autograd adds into .grad (a tensor hook)
+                    p.register_hook(functools.partial(self._grad_arriving, bucket, p))
                 p.register_post_accumulate_grad_hook(
                     functools.partial(self._grad_accumulated, bucket))
+        self.buffers = BufferSync.attach(self, broadcast_buffers)  # before each forward
         self._hook_modules()
+        self._hook_module_state()  # model.state_dict() and load_state_dict() (parts/habits.py)
+        route_zero_grad(self)  # model.zero_grad(), optimizer.zero_grad(): the engine's
 
     # ---- set-up: what each rank holds ---------------------------------------------------------
 
@@ -103,19 +124,13 @@ class DDP:
         """DDP holds every parameter: build a meta-device model all at once (startup.py)."""
         materialize(self.module, self.device)
 
-    def _make_buckets(self) -> list[Bucket]:
+    def _make_buckets(self) -> list[GradBucket]:
         """Greedy, in reverse order (≈ backward's): close a bucket once it holds bucket_bytes.
-        A parameter is never split between buckets."""
-        groups: list[list[nn.Parameter]] = [[]]
-        size = 0
-        for p in reversed([p for p in self.module.parameters() if p.requires_grad]):
-            if size >= self.bucket_bytes:
-                groups.append([])
-                size = 0
-            groups[-1].append(p)
-            size += p.numel() * p.element_size()
-        return [Bucket(f"bucket{i}", ps, FlatLayout.of(ps, self.world_size))
-                for i, ps in enumerate(groups)]
+        A parameter is never split between buckets; a bucket holds one parameter group of one
+        dtype (param_groups.py: with one of each, one bucket is filled at a time)."""
+        params = reversed([p for p in self.module.parameters() if p.requires_grad])
+        return [GradBucket(f"bucket{i}", ps, FlatLayout.of(ps, self.world_size)) for i, ps in
+                enumerate(bucket_params(list(params), self.bucket_bytes, self.groups.key))]
 
     def _shard_model(self) -> None:
         """DDP shards nothing. Each bucket gets a flat gradient buffer; .grad are views of it."""
@@ -123,48 +138,47 @@ class DDP:
             p0 = b.params[0]
             b.flat_grad = torch.zeros(b.layout.padded_numel, dtype=p0.dtype, device=p0.device)
             for p, offset in zip(b.params, b.layout.offsets):
-                p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
+                self._views[p] = p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
 
     def _slots(self) -> list[Slot]:
         """DDP: the optimizer steps each parameter, whole, the same on every rank."""
         return [Slot(p, (p,), None) for b in self.buckets for p in b.params]
-
-    def frozen_slots(self) -> list[Slot]:
-        """Parameters that are never trained: held whole on every rank."""
-        return [Slot(p, (p,), None) for p in self.module.parameters() if not p.requires_grad]
 
     # ---- forward and backward: the hooks ------------------------------------------------------
 
     def _hook_modules(self) -> None:
         """DDP's forward needs nothing: every rank holds every parameter, always."""
 
-    def __call__(self, *args, **kwargs):
-        return self.precision.forward(self.module, args, kwargs)
+    def _grad_arriving(self, bucket: GradBucket, param: nn.Parameter, grad: torch.Tensor) -> None:
+        """Before autograd adds `grad` into param.grad (DDP, ZeRO-1: .grad views a bucket)."""
+        if bucket.ready == 0:  # the bucket's first gradient in this backward
+            self._first_grad(bucket)
+        if self._replaced(param):  # take it back, as torch's DDP does (None: nothing added)
+            self._views[param].copy_(param.grad if param.grad is not None else 0)
+            param.grad = self._views[param]
 
-    def _grad_accumulated(self, bucket: Bucket, param: nn.Parameter) -> None:
+    def _replaced(self, param: nn.Parameter) -> bool:  # .grad set to None or replaced by hand
+        return param.grad is None or param.grad.data_ptr() != self._views[param].data_ptr()
+
+    def _first_grad(self, bucket: GradBucket) -> None:
+        """Another backward reaches a bucket reduced in this step (accumulation without
+        no_sync(), torch's DDP sums them): let its reduction end before autograd adds into it."""
+        if bucket.reduced:
+            self._wait_pending()
+
+    def _grad_accumulated(self, bucket: GradBucket, param: nn.Parameter) -> None:
         # Fires once per backward, after autograd summed every use of param (tied, reused).
-        self._backward_seen = True
+        self._backward_seen = bucket.fresh = True
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.ready = 0  # counted afresh in the next backward (next micro-batch)
             self._bucket_ready(bucket)
 
-    def _bucket_ready(self, bucket: Bucket) -> None:
+    def _bucket_ready(self, bucket: GradBucket) -> None:
         """The last gradient of `bucket` has arrived: start reducing it, backward goes on."""
         if self._sync:
+            bucket.fresh = False  # what it holds goes into this reduction
             self._reduce(bucket, "bwd")
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Gradient accumulation: backward passes inside the block communicate nothing; the
-        first backward after it reduces the sum of every micro-batch (scale each loss by
-        1/micro_batches for the mean, as with torch's DDP.no_sync()). Meanwhile gradients add
-        up locally: ZeRO-2 and ZeRO-3 keep full ones, trading memory for traffic."""
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def _reduce(self, bucket: Bucket, phase: str) -> None:
         """Average the bucket's gradients over the ranks. phase: "bwd" or "step" (for the tag)."""
@@ -180,8 +194,9 @@ class DDP:
             raise RuntimeError(f"{type(self).__name__}.step() (or clip_grad_norm_()) was called "
                                "before backward(): no gradient has been computed since the last "
                                "step. Call loss.backward() first.")
-        for bucket in self.buckets:
-            if not bucket.reduced:
+        for bucket in self.buckets:  # unused in backward, or added to since (under no_sync)
+            if not bucket.reduced or bucket.fresh:
+                bucket.fresh = False
                 self._reduce(bucket, "step")
         self._wait_pending()
         for bucket in self.buckets:
@@ -204,33 +219,16 @@ class DDP:
         self._after_step()
         self._backward_seen = self._grads_synced = False
 
-    def _sync_grads(self) -> None:
-        if not self._grads_synced:
-            self._finish_backward()
-        self._grads_synced = True
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Scale the gradients so that their global L2 norm is at most max_norm; return the
-        norm before clipping (as torch.nn.utils.clip_grad_norm_). Between backward and step."""
-        self._sync_grads()
-        return clip_grad_norm_(self._owned_grads(), max_norm, self._sum_over_ranks)
-
-    def _owned_grads(self) -> list[torch.Tensor]:
-        """The gradients this rank's optimizer reads. DDP: all of them, identical on all ranks."""
-        return [b.flat_grad for b in self.buckets]
-
-    def _sum_over_ranks(self, local: torch.Tensor) -> torch.Tensor:
-        """DDP: every rank holds the whole gradient: its sum is already the global one."""
-        return local
-
     def _after_step(self) -> None:
         """DDP: every rank took the same step on the same averaged gradients: nothing to do."""
 
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients in place: the buffers stay, counted (set_to_none: torch's
+        signature, the same here). model.zero_grad() and optimizer.zero_grad() call this."""
         for b in self.buckets:
             b.flat_grad.zero_()
-
-    # ---- what a rank holds --------------------------------------------------------------------
+        for p, view in self._views.items():  # a .grad replaced by hand is the view again
+            p.grad = view
 
     def state_tensors(self) -> StateTensors:
         """What this rank holds now, by category. (fp32 masters are the parameters, counted
@@ -238,18 +236,6 @@ class DDP:
         return {"params": list(self.module.parameters()),
                 "grads": [b.flat_grad for b in self.buckets],
                 "optimizer": optimizer_tensors(self.optimizer) + self.masters}
-
-    def model_state_bytes(self) -> dict[str, int]:
-        """This rank's bytes held now for params, grads and optimizer state (distinct storages)."""
-        return model_state_bytes(self.state_tensors())
-
-    def wait_params(self) -> None:
-        """Return once every parameter holds its latest value (DDP: always; ZeRO-1/2 gather
-        them asynchronously after step()). Checkpoints call it first."""
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Full parameters and buffers, on every rank (a collective in the sharded stages)."""
-        return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
 
 
 class DDPAfterBackward(DDP):

@@ -9,6 +9,25 @@ torch's FSDP2 behind the same methods, a learner's own); a *stage* is a ZeRO lev
 formulas live in zerolab.theory. The harness, the bench, the checkpoints, the notebooks and the
 grader reach every engine through `Engine` below and find it by its key here: one table, so
 that a label, a formula or a torch counterpart is written once.
+
+Torch habits every zerolab engine keeps (tests/test_habits.py holds each to the single-process
+reference and to torch's DDP running the same loop):
+
+- zeroing through the model or the optimizer: `model.zero_grad()`, `engine.optimizer.
+  zero_grad()` (set_to_none either way) are `engine.zero_grad()` (parts/habits.py); DDP and
+  ZeRO-1 also take back a `.grad` set to None by hand, as torch's DDP does (ZeRO-2/3 hold no
+  `.grad` to set: they warn when a backward adds to gradients a step() has used);
+- several backward passes before `step()` without `no_sync()`: each reduces its own gradients
+  and step() takes their sum, as torch's DDP (no_sync() stays the way to save the traffic);
+- parameters readable after `step()`: ZeRO-1/2 wait for their gathers in step() unless built
+  with prefetch=True (then model.state_dict(), load_state_dict() and full_state_dict() wait;
+  anything else calls `wait_params()` first);
+- `model.state_dict()` and `model.load_state_dict(full)` in full tensors, under ZeRO-3 too
+  (there, collectives: every rank calls them, as FSDP2's get_model_state_dict);
+- buffers broadcast from rank 0 before a training forward, as torch's DDP
+  (`broadcast_buffers=False` to keep each rank's own; parts/buffers.py);
+- parameter groups, spelled as torch's: `param_groups=[{"params": [...], "weight_decay": 0.1},
+  ...]` (parts/param_groups.py), and parameters of several dtypes (a bucket per dtype).
 """
 
 from __future__ import annotations
@@ -43,7 +62,7 @@ class Engine(Protocol):
 
     def step(self) -> None: ...  # finish the gradients' reduction, step, re-sync parameters
 
-    def zero_grad(self) -> None: ...
+    def zero_grad(self) -> None: ...  # zerolab's: zero_grad(set_to_none=True), in place
 
     def wait_params(self) -> None: ...  # return once parameters hold their latest values
 
@@ -57,7 +76,13 @@ class Engine(Protocol):
 @runtime_checkable
 class ShardedEngine(Engine, Protocol):
     """An Engine that says which part of every parameter this rank holds: what a checkpoint
-    writes and loads (zerolab.checkpoint), at any world size. zerolab's engines keep it."""
+    writes and loads (zerolab.checkpoint), at any world size. zerolab's engines keep it.
+
+    Its sharded state dict, in torch.distributed.checkpoint's terms, is read from this layout
+    (zerolab.parts.state_dicts): `engine_state_dict(engine)` gives this rank's part, keyed as
+    the plain model's state_dict ("model") and FSDP2's get_optimizer_state_dict
+    ("optimizer"), each tensor as the rectangles of it this rank holds; and
+    `load_engine_state_dict(engine, full)` loads full tensors, each rank taking its part."""
 
     name: str  # first part of every comm tag: "zero2"
     rank: int  # this rank in `group`

@@ -64,9 +64,8 @@ def train_step(engine: Engine, x: torch.Tensor, y: torch.Tensor,
     micro_batches > 1: gradient accumulation. x and y are cut into that many micro-batches
     (dim 0), each runs forward and backward with its loss divided by micro_batches (so that
     the gradients add up to the mean), then one step. no_sync: every backward but the last
-    communicates nothing (engine.no_sync()); otherwise each reduces its own gradients (not
-    with zerolab's ZeRO-1, whose reduce-scatter overwrites the full gradient that the next
-    micro-batch adds to: notebook 03 shows why). torch's baselines have no no_sync().
+    communicates nothing (engine.no_sync()); otherwise each reduces its own gradients and the
+    step takes their sum, on every engine (as torch's DDP). torch's baselines have no no_sync().
     """
     loss_fn = loss_fn or engine.module.loss
     if micro_batches < 1 or x.shape[0] % micro_batches:

@@ -11,10 +11,16 @@ What changes from DDP (ddp.py):
   rank in total, not the 2Ψ of all-reduce), one bucket at a time (on gloo the chunks a rank
   receives wait in scratch memory, (N-1)/N of a bucket, until added to its own); every rank
   updates its shard, and the parameters are all-gathered (Ψ): 2Ψ per step, like DDP.
-- prefetch (default): the all-gathers are issued at the end of step() without waiting; each
-  module waits, in a forward pre-hook, only for the buckets holding its own parameters, so the
-  gather overlaps the next forward. `ZeRO1AfterBackward` runs every collective after backward
-  (reduce-scatter in step(), all-gather before step() returns): same bytes, no overlap.
+- step() returns once the parameters are gathered: a torch user may read them right away
+  (model.state_dict(), an EMA, a log). prefetch=True opts into overlap: the all-gathers are
+  issued at the end of step() without waiting, and each module waits, in a forward pre-hook,
+  only for the buckets holding its own parameters, so the gather overlaps the next forward;
+  until then a parameter read outside forward is stale (model.state_dict(), load_state_dict()
+  and full_state_dict() wait; anything else should call wait_params() first).
+  `ZeRO1AfterBackward` runs every collective after backward (reduce-scatter in step()).
+- Several backward passes before step() (accumulation without no_sync()) add up as in torch's
+  DDP: the next backward into a reduce-scattered bucket first sets this rank's reduced shard
+  aside and zeroes the buffer (`_first_grad`); its reduction adds the shard back.
 
 `ZeRO1AllReduce` is the version many tutorials show: all-reduce the full gradient (2Ψ), keep your
 shard of it, then all-gather the parameters (Ψ): 3Ψ, half as much again (1.5x) for the same
@@ -22,8 +28,8 @@ result.
 
 Note: the optimizer steps on a flat shard, so it must be elementwise (SGD, Adam, AdamW, ...):
 Adam's update of an element depends only on that element's gradient history, so updating a
-slice of a flat buffer equals updating each parameter. Per-parameter optimizer options
-(param groups) are not supported: one set of optimizer_kwargs applies to every parameter.
+slice of a flat buffer equals updating each parameter. Parameter groups (param_groups.py) keep
+each group, and each dtype, in buckets of their own: a shard is stepped with one group's options.
 """
 
 from __future__ import annotations
@@ -34,26 +40,28 @@ import torch
 from torch import nn
 
 from zerolab import comm
-from zerolab.ddp import DDP
+from zerolab.ddp import DDP, GradBucket
 from zerolab.memory import InFlight
-from zerolab.sharding import Bucket, Slot, flatten, shard, unflatten
+from zerolab.sharding import Slot, flatten, shard, unflatten
 
 
 @dataclass
-class ShardedBucket(Bucket):
+class ShardedBucket(GradBucket):
     """A bucket whose parameters live in one flat buffer, of which this rank owns one shard."""
 
     flat_param: torch.Tensor | None = None  # (padded_numel,) all parameters, end to end
     local_shard: nn.Parameter | None = None  # (shard_numel,) this rank's part: the optimizer's
+    scattered: bool = False  # flat_grad holds this rank's reduced shard, the rest is stale
+    kept: torch.Tensor | None = None  # (shard_numel,) that shard, set aside while more is added
 
 
 class ZeRO1(DDP):
     name = "zero1"
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 prefetch: bool = True, **kwargs):
+                 prefetch: bool = False, **kwargs):
         super().__init__(model, optimizer_cls, **kwargs)
-        self.prefetch = prefetch  # gather parameters asynchronously, wait at their first use
+        self.prefetch = prefetch  # opt-in: gather parameters asynchronously, wait at first use
         self._param_gathers: dict[str, comm.Handle] = {}  # bucket name -> gather in flight
         self.in_flight = InFlight()  # buffers collectives use now: state_tensors()["comm"]
 
@@ -108,6 +116,30 @@ class ZeRO1(DDP):
 
     def _keep_shard(self, bucket: ShardedBucket, own: torch.Tensor) -> None:
         bucket.local_shard.grad = own  # what the optimizer reads for its shard
+        if bucket.kept is not None:  # the earlier backward passes' reduced shard
+            own += bucket.kept
+            bucket.kept = None
+        bucket.scattered = True
+
+    def _first_grad(self, bucket: ShardedBucket) -> None:
+        """A backward reaches a bucket already reduce-scattered (since the last zero_grad()):
+        the next reduce-scatter must sum only what this backward adds, so the reduced shard
+        goes aside (added back by _keep_shard) and the buffer, stale outside it, to zero."""
+        super()._first_grad(bucket)
+        if bucket.scattered:
+            self._wait_pending()
+            start, end = bucket.layout.shard_range(self.rank)
+            bucket.kept = bucket.flat_grad[start:end].clone()  # (shard_numel,)
+            for p, offset in zip(bucket.params, bucket.layout.offsets):
+                if self._replaced(p):  # its .grad set to None by hand: nothing of it is kept
+                    bucket.kept[max(offset - start, 0):max(offset + p.numel() - start, 0)] = 0
+            bucket.flat_grad.zero_()
+            bucket.scattered = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for b in self.buckets:
+            b.scattered, b.kept = False, None
 
     def _after_step(self) -> None:
         """Every rank updated its own shard: all-gather the shards back into the full params,
@@ -147,6 +179,7 @@ class ZeRO1(DDP):
     def state_tensors(self):
         state = super().state_tensors()
         state["params"] = [b.flat_param for b in self.buckets] + state["params"]
+        state["grads"] += [b.kept for b in self.buckets if b.kept is not None]
         state["comm"] = self.in_flight.tensors()  # not model state: model_state_bytes skips it
         return state
 

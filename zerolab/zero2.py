@@ -19,6 +19,7 @@ Notebook 04 measures both.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -32,10 +33,12 @@ from zerolab.zero1 import ShardedBucket, ZeRO1
 class GradShardedBucket(ShardedBucket):
     grad_shard: torch.Tensor | None = None  # (shard_numel,) accumulated averaged gradient shard
     grad_is_zero: bool = True  # grad_shard holds zeros (zero_grad() since its last reduction)
+    stepped: bool = False  # grad_shard holds what a step() used, not zeroed since
 
 
 class ZeRO2(ZeRO1):
     name = "zero2"
+    grads_in_buckets = False  # .grad is autograd's own between a bucket's reductions
 
     def _make_buckets(self) -> list[GradShardedBucket]:
         return [GradShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]
@@ -54,6 +57,9 @@ class ZeRO2(ZeRO1):
         (Inside no_sync() this is not called: the full gradients stay and accumulate.)"""
         self._wait_pending()  # at most one bucket in flight: bounded memory
         bucket.reduced = True
+        if bucket.stepped and not bucket.grad_is_zero:  # nothing zeroed the last step's
+            warnings.warn(NOT_ZEROED.format(type(self).__name__), stacklevel=2)
+        bucket.stepped = False
         # (padded_numel,) a parameter used by no one in this step contributes zeros
         full = flatten([p.grad if p.grad is not None else _zeros(shape, bucket.flat_param)
                         for p, shape in zip(bucket.params, bucket.layout.shapes)], bucket.layout)
@@ -79,10 +85,20 @@ class ZeRO2(ZeRO1):
         if received is not bucket.grad_shard:
             bucket.grad_shard += received  # += so that accumulated micro-batches add up
 
-    def zero_grad(self) -> None:
+    def step(self) -> None:
+        super().step()
+        for b in self.buckets:
+            b.stepped = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the shards in place (model.zero_grad() and optimizer.zero_grad() call this), and
+        drop full gradients kept under no_sync()."""
         for b in self.buckets:
             b.grad_shard.zero_()
             b.grad_is_zero = True
+            b.local_shard.grad = b.grad_shard  # where the optimizer reads it, whatever was done
+            for p in b.params:
+                p.grad = None
 
     def state_tensors(self):
         state = super().state_tensors()
@@ -98,6 +114,15 @@ class ZeRO2AfterBackward(ZeRO2):
 
     def _bucket_ready(self, bucket: GradShardedBucket) -> None:
         """Do nothing during backward; step() reduces every bucket afterwards."""
+
+
+# Torch adds a backward's gradients to the last step's if nothing zeroed them, and so does this
+# engine; it says so, because setting p.grad = None by hand (torch's performance guide) zeroes
+# nothing here: between steps a ZeRO-2/3 rank holds gradient shards, not the model's .grad.
+NOT_ZEROED = ("{}: this backward adds to the gradients the last step() used: nothing zeroed them "
+              "since, so they add up, as in torch. Zero them with model.zero_grad(), "
+              "engine.optimizer.zero_grad() or engine.zero_grad(); setting p.grad = None by hand "
+              "zeroes nothing here (the gradients are sharded, no .grad holds them).")
 
 
 def _zeros(shape: torch.Size, like: torch.Tensor) -> torch.Tensor:

@@ -17,15 +17,19 @@ What changes from ZeRO-2 (zero2.py):
   1.5x DDP's 2Ψ. That is the price of holding 1/N of the parameters.
 - Prefetch (on by default): when a unit starts, the all-gather of the next unit (next in forward,
   previous in backward) is issued asynchronously, so communication overlaps compute.
-- One bucket per unit: ZeRO-3 reduces a unit's gradients when its backward is over, so
-  `bucket_bytes` has no meaning here and is refused.
+- One bucket per unit (per parameter group and dtype): ZeRO-3 reduces a unit's gradients
+  when its backward is over, so `bucket_bytes` has no meaning here and is refused.
+- model.state_dict() gathers full tensors; model.load_state_dict(full) fills the shards.
+- reshard_after_forward=False (FSDP2's knob of that name): units stay gathered from their
+  forward to their backward, which then gathers nothing: 2Ψ per step instead of 3Ψ, for the
+  whole model's parameters at the peak (ZeRO-2's). (FSDP2's int, a smaller group to reshard
+  to, is ZeRO++'s hpZ: zeropp.ZeroPP(secondary_shard_size=k).)
 
 ZeRO++ (zeropp.py) subclasses this file: it changes how a unit's weights travel (`_gather`)
 and how its gradients are reduced (`_reduce`), not when.
 
-Which parameters form each unit (and the root, the model itself, which holds the embeddings,
-the final LayerNorm and any weight two units share) is decided by `make_units` (units.py)
-before the engine is built.
+Which parameters form each unit (and the root, the model itself: embeddings, final LayerNorm,
+any weight two units share) is decided by `make_units` (units.py) before the engine is built.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ import torch
 from torch import nn
 
 from zerolab import comm
+from zerolab.parts.habits import hook_gathered_state
 from zerolab.parts.materialize import materialize, materialize_flat, param_names
 from zerolab.parts.nest import tensors_in
+from zerolab.parts.param_groups import bucket_params
 from zerolab.sharding import FlatLayout, Slot, unflatten
 from zerolab.units import Unit, UnitSpec, make_units
 from zerolab.zero2 import GradShardedBucket, ZeRO2
@@ -61,7 +67,8 @@ class ZeRO3(ZeRO2):
         return super().__new__(cls)
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 units: Sequence[UnitSpec] | None = None, prefetch: bool = True, **kwargs):
+                 units: Sequence[UnitSpec] | None = None, prefetch: bool = True,
+                 reshard_after_forward: bool = True, **kwargs):
         if "bucket_bytes" in kwargs:
             raise TypeError("ZeRO3 takes no bucket_bytes: each unit's gradients are reduced as "
                             "one bucket when its backward is over. Choose the units instead "
@@ -72,20 +79,24 @@ class ZeRO3(ZeRO2):
                                 f"zerolab.ZeroPP)")
         self.units = make_units(model, units)  # which parameters each unit gathers, root last
         self.root = self.units[-1]
+        self._ready: dict[str, int] = {}  # unit name -> its buckets reduced in this backward
+        self.reshard_after_forward = reshard_after_forward  # False: keep units for backward
         super().__init__(model, optimizer_cls, prefetch=prefetch, **kwargs)
         self._unit_of = {b.name: u for u in self.units for b in u.buckets}
 
     # ---- set-up: each unit's shards -----------------------------------------------------------
 
     def _make_buckets(self) -> list[GradShardedBucket]:
-        """One flat bucket per unit for its trainable parameters (these are reduced and
-        stepped), and one for its frozen parameters (sharded too, never reduced)."""
+        """Per unit, a flat bucket of its trainable parameters (reduced and stepped) and one of
+        its frozen ones (sharded, never reduced); one per group and dtype (param_groups.py)."""
         for unit in self.units:
-            unit.buckets = [
-                GradShardedBucket(unit.name if trainable else f"{unit.name}.frozen", ps,
-                                  FlatLayout.of(ps, self.world_size))
-                for trainable in (True, False)
-                if (ps := [p for p in unit.params if p.requires_grad == trainable])]
+            unit.buckets = []
+            for trainable in (True, False):
+                ps = [p for p in unit.params if p.requires_grad == trainable]
+                name = unit.name if trainable else f"{unit.name}.frozen"
+                unit.buckets += [GradShardedBucket(name + (f".{i}" if i else ""), run,
+                                                   FlatLayout.of(run, self.world_size))
+                                 for i, run in enumerate(bucket_params(ps, 1e30, self.groups.key))]
         return [b for u in self.units for b in u.buckets if b.params[0].requires_grad]
 
     def _materialize(self) -> None:
@@ -183,7 +194,8 @@ class ZeRO3(ZeRO2):
         if unit.in_backward:  # a checkpoint's recompute: keep the unit for its backward
             return
         for u in self.units if unit is self.root else [unit]:  # root: the forward is over
-            self.reshard(u)
+            if self.reshard_after_forward:
+                self.reshard(u)
         for t in tensors_in(output):
             if t.requires_grad:  # fires when the gradient w.r.t. this output is ready
                 t.register_hook(lambda grad, u=unit: self.pre_backward(u))
@@ -197,7 +209,11 @@ class ZeRO3(ZeRO2):
     def _bucket_ready(self, bucket: GradShardedBucket) -> None:
         """post_backward: every gradient of the unit is in: reduce-scatter, then reshard."""
         super()._bucket_ready(bucket)  # ZeRO-2's reduce-scatter (skipped inside no_sync())
-        self.post_backward(self._unit_of[bucket.name])
+        unit = self._unit_of[bucket.name]
+        ready = self._ready[unit.name] = self._ready.get(unit.name, 0) + 1  # in this backward
+        if ready == sum(b.params[0].requires_grad for b in unit.buckets):  # all of the unit's
+            self._ready[unit.name] = 0
+            self.post_backward(unit)
 
     def post_backward(self, unit: Unit) -> None:
         unit.in_backward = False
@@ -216,9 +232,14 @@ class ZeRO3(ZeRO2):
         super()._finish_backward()  # reduces what backward did not (unused parameters)
         for unit in self.units:  # units with frozen parameters only, and unused prefetches
             self.post_backward(unit)
+        self._ready.clear()
 
     def _after_step(self) -> None:
         """Nothing to gather: the next forward gathers each unit when it needs it."""
+
+    def _hook_module_state(self) -> None:  # first: a load fills the shards, then the masters
+        hook_gathered_state(self)  # model.state_dict(): full tensors (parts/habits.py)
+        super()._hook_module_state()
 
     def state_tensors(self):
         state = super().state_tensors()
@@ -226,12 +247,3 @@ class ZeRO3(ZeRO2):
         state["params"] = [t for u in self.units for b in u.buckets
                            for t in (b.local_shard, b.flat_param)]
         return state
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        for unit in self.units:
-            self.unshard(unit, "state_dict")
-        state = super().full_state_dict()
-        for unit in self.units:
-            self.reshard(unit)
-        return state
-

@@ -168,11 +168,13 @@ def train_steps(engine, model, steps: range) -> None:
         harness.train_step(engine, x, y)
 
 
-def save_after(engine_key: str, kind: str, folder: str, steps: int) -> None:
+def save_after(engine_key: str, kind: str, folder: str, steps: int) -> dict:
+    """Train `steps` steps, save into `folder`; returns what the engine held when it saved."""
     model, engine = _engine(engine_key, kind, seed=dist.get_rank(),
                             optimizer_tile_numel=CHECKPOINT_TILE)
     train_steps(engine, model, range(steps))
     checkpoint.save(engine, folder)
+    return engine.full_state_dict()
 
 
 def resume(engine_key: str, kind: str, folder: str, first: int, last: int) -> dict:
@@ -191,19 +193,17 @@ def uninterrupted(engine_key: str, kind: str, steps: int) -> dict:
 
 
 def save_killed_half_way(engine_key: str, kind: str, folder: str) -> None:
-    """Rank 1 dies after writing its file, before the save completes (a crash mid-save)."""
+    """Rank 0 dies as DCP writes the manifest, once every rank's file is written: a crash
+    mid-save (rank 1 then waits for a rank that is gone, and the launch ends both)."""
+    import torch.distributed.checkpoint as dcp
+
     model, engine = _engine(engine_key, kind, seed=dist.get_rank())
     train_steps(engine, model, range(1))
-    if dist.get_rank() == 1:
-        barriers = iter(range(1))  # the first barrier passes, the second never comes
-        real_barrier = checkpoint.comm.barrier
+    if dist.get_rank() == 0:
+        def crash(writer, metadata, results):
+            os._exit(1)
 
-        def crash_at_second_barrier(**kwargs):
-            if next(barriers, None) is None:
-                os._exit(1)
-            real_barrier(**kwargs)
-
-        checkpoint.comm.barrier = crash_at_second_barrier
+        dcp.FileSystemWriter.finish = crash
     checkpoint.save(engine, folder)
 
 
@@ -212,8 +212,8 @@ def save_train_resume(engine_keys: list[str], kind: str, root: str) -> dict:
     out = {}
     for engine_key in engine_keys:
         folder = os.path.join(root, engine_key)
-        save_after(engine_key, kind, folder, 2)
-        out[engine_key] = {"straight": uninterrupted(engine_key, kind, 5),
+        out[engine_key] = {"saved": save_after(engine_key, kind, folder, 2),
+                           "straight": uninterrupted(engine_key, kind, 5),
                          "resumed": resume(engine_key, kind, folder, 2, 5)}
     return out
 

@@ -117,6 +117,8 @@ def make_engine(key: str, config: BenchConfig, device: torch.device) -> Any:
     kwargs: dict[str, Any] = {"lr": config.lr, "weight_decay": config.weight_decay}
     if key not in ("zero3", "torch_fsdp2"):  # those reduce per unit (a block), not per bucket
         kwargs["bucket_bytes"] = int(config.bucket_mb * 2**20)
+    if key in ("zero1", "zero2"):  # the loop reads no parameter between steps: overlap opted
+        kwargs["prefetch"] = True  # into (by default step() waits for the gathers: ~5% here)
     return engines.make_engine(key, model, torch.optim.AdamW, **kwargs)
 
 

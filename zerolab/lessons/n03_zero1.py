@@ -115,8 +115,9 @@ def overlap(engine_name: str, group: dist.ProcessGroup | None, device: torch.dev
     """One warm-up step, then two steps in one log: with "zero1", the gathers issued at the end
     of the first step() are waited for inside the second forward, so both steps are needed."""
     model, batches = _model_and_batches(group, device, range(3))
+    overlapped = {"prefetch": True} if engine_name == "zero1" else {}  # opted into
     engine = engines.make_engine(engine_name, model, group=group, lr=LR,
-                                 bucket_bytes=SMALL_BUCKETS)
+                                 bucket_bytes=SMALL_BUCKETS, **overlapped)
     harness.train_step(engine, *batches[0])
     engine.wait_params()
     with zerolab.record_comm(group) as log:

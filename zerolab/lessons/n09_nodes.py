@@ -382,44 +382,47 @@ def resumed_lesson(folder: str, variant: str, shard_size: int | None = None) -> 
 
 
 @dataclass
-class PieceSummary:
-    """One piece of one rank's checkpoint file."""
+class ChunkSummary:
+    """One chunk of one tensor in one rank's file of a DCP checkpoint."""
 
-    names: list[str]  # the parameters it covers, in flat order
-    start: int  # its first element in the run of those parameters laid end to end
-    length: int  # elements held
-    keys: list[str]  # "param" and the per-element optimizer state (SGD: "momentum_buffer")
+    key: str  # "model.blocks.0.qkv.weight", "optimizer.state.wte.weight.momentum_buffer"
+    offsets: tuple[int, ...]  # its first element in the full tensor
+    sizes: tuple[int, ...]  # its extent: a rectangle of the full tensor
+    nbytes: int  # bytes in the file
 
 
-def pieces_in(folder: str, rank: int) -> list[PieceSummary]:
-    """What rank `rank` wrote in the last complete save in `folder`."""
+def chunks_in(folder: str, rank: int) -> list[ChunkSummary]:
+    """What rank `rank` wrote in the last complete save in `folder` (its file, in file order),
+    read from DCP's manifest."""
     from zerolab import checkpoint
 
-    payload = torch.load(os.path.join(checkpoint.latest(folder), f"rank{rank}.pt"),
-                         weights_only=False)
-    return [PieceSummary(p["names"], p["start"], p["tensors"]["param"].numel(),
-                         list(p["tensors"])) for p in payload["pieces"]]
+    metadata = checkpoint.manifest(checkpoint.latest(folder))
+    mine = sorted(((info.offset, index, info.length) for index, info in
+                   metadata.storage_data.items() if info.relative_path == f"__{rank}_0.distcp"),
+                  key=lambda item: item[0])
+    out = []
+    for _, index, length in mine:
+        sizes = next((c.sizes for c in metadata.state_dict_metadata[index.fqn].chunks
+                      if c.offsets == index.offset), ()) if index.offset is not None else ()
+        out.append(ChunkSummary(index.fqn, tuple(index.offset or ()), tuple(sizes), length))
+    return out
 
 
 def save_killed_half_way(folder: str) -> None:
     """Load the checkpoint into ZeRO-2, train one step, save: and die half-way through the
-    save, after this rank's file is written, before the manifest and LATEST are."""
-    import zerolab.checkpoint as checkpoint
+    save, after this rank's file is written, before the manifest (.metadata) and LATEST are."""
+    import torch.distributed.checkpoint as dcp
 
-    passed = []
-    real_barrier = checkpoint.comm.barrier
+    from zerolab import checkpoint
 
-    def dies_at_second_barrier(**kwargs) -> None:
-        if passed:  # save's second barrier: every rank's file is complete
-            os._exit(1)  # a crash: no exception, no clean-up, the process is gone
-        passed.append(True)
-        real_barrier(**kwargs)
+    def dies_writing_the_manifest(writer, metadata, results) -> None:
+        os._exit(1)  # a crash: no exception, no clean-up, the process is gone
 
     model = GPT(MODEL)
     engine = engines.make_engine("zero2", model, torch.optim.SGD, **SGD)
     checkpoint.load(engine, folder)
     harness.train_step(engine, *batch(model, 2))
-    checkpoint.comm.barrier = dies_at_second_barrier
+    dcp.FileSystemWriter.finish = dies_writing_the_manifest  # DCP writes the manifest last
     checkpoint.save(engine, folder)
 
 
@@ -431,7 +434,7 @@ class Crash:
     before: list[str]  # the folder's entries before the crashed save
     after: list[str]  # and after it
     latest: str  # the version LATEST names afterwards
-    crashed_files: list[str]  # what the unfinished version holds
+    crashed_files: list[str]  # what the unfinished version holds (no .metadata)
     same_as_before: bool  # the checkpoint that loads now is bitwise the one saved before
 
 

@@ -7,14 +7,15 @@ buffers and gradients are bf16, and so are the collectives. The optimizer cannot
 (an update much smaller than a weight would round away), so it steps **fp32 master copies**:
 4 more bytes per parameter, which with Adam's m and v (8 bytes) make the paper's K = 12.
 
-Each engine asks the policy three things, at three moments:
+Each engine asks the policy these things, at these moments:
 
 - at construction, `cast_module(model)`: cast the model and remember its fp32 values, from
   which `masters(...)` cuts the fp32 copies of whatever the optimizer steps (a parameter in
   DDP, a flat shard in ZeRO);
 - at every forward, `forward(module, args, kwargs)`: inputs in, outputs back to fp32;
 - at every step, `step(optimizer, pairs)`: gradients up to fp32 masters, step, and the new
-  values rounded back into the 16-bit tensors.
+  values rounded back into the 16-bit tensors;
+- after `model.load_state_dict(...)`, `reload(pairs)`: the masters take what was loaded.
 
 With `param_dtype=None` (fp32 training) each of these does nothing, and the masters are the
 stepped tensors themselves: no copy, no extra bytes.
@@ -83,6 +84,17 @@ class MixedPrecisionPolicy:
             for master, t in mixed:
                 t.copy_(master)  # rounded to the compute dtype
                 master.grad = None
+
+    def reload(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """After values were loaded into the 16-bit tensors (model.load_state_dict): each master
+        takes the loaded value where it differs from the master's own rounding. A master whose
+        rounding is what was loaded keeps its fp32 bits: a save and load round trip changes
+        nothing. pairs: (master, the 16-bit tensor it stands for); nothing to do in fp32."""
+        with torch.no_grad():
+            for master, t in pairs:
+                if master is not t:
+                    changed = master.to(t.dtype) != t
+                    master[changed] = t[changed].float()
 
 
 def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

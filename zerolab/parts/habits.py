@@ -1,0 +1,148 @@
+"""What torch users do to a model and its optimizer, made to reach the engine that wraps them.
+
+A torch user's loop zeroes gradients through the model or the optimizer, and reads or loads
+the model's state dict; torch's DDP and FSDP2 accept all of it. Under an engine the model's
+parameters, their gradients and the optimizer's tensors are laid out by the engine, so each of
+these habits is routed to it here:
+
+- `route_zero_grad`: `model.zero_grad()` and `engine.optimizer.zero_grad()` become
+  `engine.zero_grad()` (the Note below);
+- `hook_module_state`: `model.state_dict()` waits for parameters still being gathered (ZeRO-1/2
+  with prefetch=True), and so does `model.load_state_dict(...)`, after which the fp32 masters
+  of a mixed-precision engine take the loaded values;
+- `hook_gathered_state` (ZeRO-3): `model.state_dict()` gathers full tensors, and
+  `model.load_state_dict(full)` loads them into this rank's shards (the second Note).
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from zerolab.sharding import shard
+
+# Note: zeroing gradients, three spellings. torch users zero through the model
+# (`model.zero_grad()`, which sets every `.grad` to None), through the optimizer
+# (`optimizer.zero_grad()`, the same on the optimizer's tensors) or through the engine. The
+# engine's gradients are none of those tensors: DDP and ZeRO-1 keep them in flat buckets
+# (`.grad` are views into them), ZeRO-2 and ZeRO-3 in per-bucket shards that no `.grad` of the
+# model shows, the optimizer steps tiles of fp32 masters. Setting a `.grad` to None zeroes
+# nothing there, and the next backward adds onto the last step's gradients. So the engine
+# installs its own zero_grad as the model's and the optimizer's (as torch's LR schedulers wrap
+# `optimizer.step`): all three spellings zero the same buffers, in place, and keep them (their
+# bytes stay counted; `set_to_none` is accepted and means the same). A copy of the model
+# (copy.deepcopy) gets torch's own zero_grad back. What no method call reaches: `p.grad = None`
+# by hand. DDP and ZeRO-1 notice it, as torch's DDP does, when that parameter's next gradient
+# arrives (its `.grad` is no longer the view into the bucket: ddp.py, `_grad_arriving`).
+# ZeRO-2/3 hold no full `.grad` between steps, so there is nothing to set to None: the next
+# backward adds to the last step's gradients, as torch's would had nothing zeroed them, and the
+# engine warns that it does, naming the calls that zero (zero2.py, NOT_ZEROED).
+
+
+def route_zero_grad(engine: Any) -> None:
+    """Make engine.module.zero_grad() and engine.optimizer.zero_grad() the engine's."""
+    ref = weakref.ref(engine)  # the model must not keep the engine alive
+
+    def module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
+        e = ref()
+        if e is None or e.module is not module:  # a deep copy of the model: torch's own
+            return nn.Module.zero_grad(module, set_to_none)
+        e.zero_grad(set_to_none)
+
+    def optimizer_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+        e = ref()
+        if e is None or e.optimizer is not optimizer:
+            return type(optimizer).zero_grad(optimizer, set_to_none)
+        e.zero_grad(set_to_none)
+
+    # Bound to the object itself, so that copy.deepcopy binds the copy's to the copy.
+    engine.module.zero_grad = types.MethodType(module_zero_grad, engine.module)
+    engine.optimizer.zero_grad = types.MethodType(optimizer_zero_grad, engine.optimizer)
+
+
+def hook_module_state(engine: Any) -> None:
+    """model.state_dict() and model.load_state_dict() on the whole model, under any engine:
+    wait for parameter gathers in flight first; after a load, the masters follow."""
+    model = engine.module
+
+    def wait(module: nn.Module, *args) -> None:
+        if module is model:  # not a copy of it (copy.deepcopy copies hooks too)
+            engine.wait_params()
+
+    def reload(module: nn.Module, incompatible_keys) -> None:
+        if module is model:
+            engine.precision.reload([(m, s.tensor) for m, s in zip(engine.masters, engine.slots)])
+
+    model.register_state_dict_pre_hook(wait)
+    model.register_load_state_dict_pre_hook(wait)
+    model.register_load_state_dict_post_hook(reload)
+
+
+# Note: model.state_dict() under ZeRO-3. At rest a rank holds only shards: every parameter of
+# the module is a 0-element tensor, and torch.save(model.state_dict()) would write nothing
+# useful without a word. So each module's state_dict gathers the units it needs first (an
+# all-gather: a collective, so every rank calls it, as with FSDP2's get_model_state_dict), and
+# its entries are copied out before the unit is freed again: full tensors, every rank the same,
+# which torch.save and torch.load round-trip and a plain model loads. One unit is gathered at a
+# time (the root first, then each block as the recursion reaches it). model.load_state_dict(
+# full) does the reverse: gather (so that keys left out keep their values), let torch copy the
+# full tensors in, keep this rank's shard of each, free the rest. A module handles the units
+# its parameters belong to, except units whose modules lie strictly inside it (their own hooks
+# handle those): the model itself handles the root unit, a block its own unit, and a
+# submodule of a block its block's unit when called alone.
+
+
+def hook_gathered_state(engine: Any) -> None:
+    """ZeRO-3: full tensors from model.state_dict() (and any submodule's); full tensors loaded
+    into the shards by model.load_state_dict(). Both are collectives (the Note above)."""
+    units_of = _units_handled(engine)
+    opened: dict[int, list] = {}  # id(module) -> the units its pre-hook gathered
+
+    def open_units(module: nn.Module, phase: str) -> None:
+        units = [u for u in units_of.get(module, []) if not u.unsharded]  # [] for a copy
+        for u in units:
+            engine.unshard(u, phase)
+        opened[id(module)] = units
+
+    def copy_out(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+        units = opened.pop(id(module), [])
+        storages = {b.flat_param.untyped_storage().data_ptr() for u in units for b in u.buckets}
+        copies: dict[tuple, torch.Tensor] = {}  # a tied weight under two names: one copy
+        for name, value in state_dict.items():
+            if name.startswith(prefix) and torch.is_tensor(value) and \
+                    value.untyped_storage().data_ptr() in storages:
+                key = (value.data_ptr(), value.shape)
+                state_dict[name] = copies.setdefault(key, value.detach().clone())
+        for u in units:
+            engine.reshard(u)
+
+    def keep_shards(module: nn.Module, incompatible_keys) -> None:
+        for u in opened.pop(id(module), []):
+            for b in u.buckets:  # this rank's part of what torch copied into the full buffer
+                b.local_shard.data.copy_(shard(b.flat_param, b.layout, engine.rank))
+            engine.reshard(u)
+
+    for module in units_of:
+        module.register_state_dict_pre_hook(
+            lambda m, prefix, keep_vars: open_units(m, "state_dict"))
+        module.register_state_dict_post_hook(copy_out)
+        module.register_load_state_dict_pre_hook(lambda m, *args: open_units(m, "load"))
+        module.register_load_state_dict_post_hook(keep_shards)
+
+
+def _units_handled(engine: Any) -> dict[nn.Module, list]:
+    """{module: the units its state-dict hooks gather} for every module that has some."""
+    unit_of = {p: i for i, u in enumerate(engine.units) for p in u.params}  # -> unit index
+    out = {}
+    for m in engine.module.modules():
+        inside = {id(d) for d in m.modules() if d is not m}  # the modules strictly inside m
+        owned = dict.fromkeys(unit_of[p] for p in m.parameters() if p in unit_of)
+        units = [engine.units[i] for i in owned
+                 if not all(id(um) in inside for um in engine.units[i].modules)]
+        if units:
+            out[m] = units
+    return out
