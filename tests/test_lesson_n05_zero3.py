@@ -45,18 +45,22 @@ def test_zero3_parameter_peaks_stay_within_shards_plus_units(lessons_04_07_at_2)
 
 
 def test_zero3_gathers_twice_and_sends_3psi_against_zero2s_2psi(lessons_04_07_at_2):
+    """3Ψ less the root's backward gather: the root stays gathered from forward to backward."""
     r05 = lessons_04_07_at_2[0]["n05"]
     off = r05.no_prefetch
-    padded = off.padded_numel
+    padded, root = off.padded_numel, off.unit_bytes["root"] // 4
     one_pass = theory.ring_sent_bytes("all_gather", 4 * padded, N)
     assert n05_zero3.bytes_by_phase(off.step.log) == {
-        "fwd all_gather": one_pass, "bwd all_gather": one_pass, "bwd reduce_scatter": one_pass}
-    volume = {s: theory.comm_volume(padded, N, s).ring_sent_bytes for s in ("ZeRO-2", "ZeRO-3")}
-    assert off.step.log.total_ring_bytes() == volume["ZeRO-3"]
-    assert r05.zero2_log.total_ring_bytes() == volume["ZeRO-2"]
+        "fwd all_gather": one_pass,
+        "bwd all_gather": theory.ring_sent_bytes("all_gather", 4 * (padded - root), N),
+        "bwd reduce_scatter": one_pass}
+    assert off.step.log.total_ring_bytes() == theory.comm_volume(
+        padded, N, "ZeRO-3", root_numel=root).ring_sent_bytes
+    assert r05.zero2_log.total_ring_bytes() == theory.comm_volume(padded, N, "ZeRO-2"
+                                                                  ).ring_sent_bytes
     blocks = [f"blocks.{i}" for i in range(GPT05.n_layer)]
     assert n05_zero3.gathers_by_phase(off.step.log) == {
-        "fwd": ["root", *blocks], "bwd": ["root", *reversed(blocks)]}
+        "fwd": ["root", *blocks], "bwd": list(reversed(blocks))}
 
 
 def test_zero3_prefetch_issues_gathers_ahead_and_overlaps_compute(lessons_04_07_at_2):

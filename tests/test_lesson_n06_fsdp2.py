@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from workers.lessons import GPT06, STEPS06, psi
+from workers.lessons import GPT06, STEPS06, psi, root_numel
 from workers.lessons import WORLD_04_07 as N
 
 from zerolab import engines, theory
@@ -59,7 +59,9 @@ def test_collectives_counted_and_recorded(lessons_04_07_at_2):
     assert variants["torch_fsdp2"].calls == {"all_gather": units + GPT06.n_layer,
                                              "reduce_scatter": units}
     for name in engines.STAGE_ENGINES:
-        expected = theory.comm_volume(psi(GPT06), N, STAGE_OF[name]).ring_sent_bytes
+        stage = STAGE_OF[name]
+        expected = theory.comm_volume(psi(GPT06), N, stage,
+                                      root_numel=root_numel(GPT06, stage)).ring_sent_bytes
         assert sum(variants[name].sent.values()) == expected, name
     shapes = variants["torch_fsdp2"].shapes
     assert shapes["wte.weight"] == ((GPT06.vocab_size, GPT06.n_embd),

@@ -1,16 +1,24 @@
 """zerolab.memory: distinct storages, and the tracker on cases whose answer is known exactly."""
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from workers import memory as WM
 
 import zerolab
 from zerolab import models
 from zerolab.memory import (
+    CATEGORIES,
     InFlight,
+    Settled,
     distinct_bytes,
     model_state_bytes,
     module_state,
+    optimizer_tensors,
     track_memory,
 )
 
@@ -243,3 +251,127 @@ def test_engines_list_their_buffers_in_flight_as_comm(engine_cls, kwargs):
         smallest = min(4 * b.layout.padded_numel for b in engine.buckets)
         assert trace.max_by_category["comm"] >= smallest
     assert trace.samples[-1][1]["comm"] == 0  # nothing in flight once the step is done
+
+
+# --- what tracking costs, counted -----------------------------------------------------------
+
+
+class EveryOp(TorchDispatchMode):
+    """The specification, done the slow way: after every op, every live storage's bytes, in
+    the first category that lists it now (else "other"); a sample when the totals change."""
+
+    def __init__(self, categorize):
+        super().__init__()
+        self.categorize, self.live, self.samples = categorize, {}, []
+
+    def watch(self, t):
+        storage = t.untyped_storage()
+        ref = self.live.get(id(storage))
+        if ref is None or ref() is not storage:
+            self.live[id(storage)] = weakref.ref(storage)
+
+    def sample(self):
+        categories = {name: list(ts) for name, ts in self.categorize().items()}
+        category_of = {}
+        for name, ts in categories.items():
+            for t in ts:
+                self.watch(t)
+                category_of.setdefault(id(t.untyped_storage()), name)
+        by_category = dict.fromkeys((*CATEGORIES, *categories, "other"), 0)
+        for key, ref in list(self.live.items()):
+            if (storage := ref()) is not None:
+                by_category[category_of.get(key, "other")] += storage.nbytes()
+        if not self.samples or self.samples[-1] != by_category:
+            self.samples.append(by_category)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.watch(t)
+        self.sample()
+        return out
+
+
+def adam_twins(seed: int = 0):
+    """Two identical MLPs with AdamW, whose optimizer state does not exist yet."""
+    out = []
+    for _ in range(2):
+        torch.manual_seed(seed)
+        model = models.MLP()
+        out.append((model, torch.optim.AdamW(model.parameters(), lr=1e-3)))
+    return out
+
+
+def test_the_tracker_gives_the_figures_of_reading_everything_after_every_op():
+    """The tracker reads the Settled optimizer state when a step is over and nothing inside
+    optimizer.step(); what the step made and kept (Adam's moments, in the first step) is
+    relabelled from the op after the one that made it. Two identical training steps, one
+    tracked, one read after every op (EveryOp), agree sample for sample."""
+    (model, opt), (twin, twin_opt) = adam_twins()
+
+    def categorize():
+        state = module_state(model, opt)
+        state["optimizer"] = Settled(lambda: optimizer_tensors(opt))
+        return state
+
+    x, y = model.make_batch(4, seed=1)
+    for first in (True, False):  # the first step makes the optimizer state, the second uses it
+        with track_memory(categorize) as trace:
+            model.loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        spec = EveryOp(lambda: module_state(twin, twin_opt))
+        spec.sample()
+        with spec:
+            twin.loss(twin(x), y).backward()
+            twin_opt.step()
+            twin_opt.zero_grad()
+        spec.sample()
+        assert [d for _, d in trace.samples] == spec.samples, first
+        assert trace.full_reads == 3  # entry, once the step was over, exit
+        assert trace.max_by_category["optimizer"] > 0
+
+
+def ddp_with_tiles(tile_numel: int | None):
+    """zerolab's DDP on one process, its optimizer given tiles of tile_numel (None: whole
+    parameters), after one step (the optimizer state exists)."""
+    torch.manual_seed(0)
+    model = models.GPT(models.GPTConfig())
+    engine = zerolab.DDP(model, torch.optim.AdamW, lr=1e-3, optimizer_tile_numel=tile_numel)
+    x, y = model.make_batch(4, seed=0)
+    model.loss(engine(x), y).backward()
+    engine.step()
+    engine.zero_grad()
+    return engine, model, x, y
+
+
+def test_work_after_each_op_does_not_grow_with_the_optimizers_tensors():
+    """The tracker looks at an op's outputs, what categorize lists now (not the Settled
+    optimizer state) and the sizes of storages that may be resized; never at every optimizer
+    tensor after every op. Counted, not timed: the same forward and backward cost the same
+    work whether the optimizer holds a few tensors or hundreds."""
+    runs = {}
+    for tiles in (None, 64):
+        engine, model, x, y = ddp_with_tiles(tiles)
+        held = sum(1 for _ in engine.state_tensors()["optimizer"])
+        with track_memory(engine.state_tensors) as passes:
+            model.loss(engine(x), y).backward()
+        with track_memory(engine.state_tensors) as step:
+            engine.step()
+        runs[tiles] = held, passes, step
+    (few, few_passes, few_step), (many, many_passes, many_step) = runs[None], runs[64]
+    assert many >= 10 * few  # the tiles: hundreds of optimizer tensors instead of dozens
+    assert (many_passes.ops, many_passes.visits) == (few_passes.ops, few_passes.visits)
+    assert many_passes.full_reads == few_passes.full_reads == 2  # entry and exit
+    # The step runs an op per tile; after each, only its outputs are looked at.
+    assert many_step.ops > 10 * few_step.ops
+    assert many_step.visits / many_step.ops <= few_step.visits / few_step.ops
+    assert many_step.full_reads == few_step.full_reads == 3  # entry, step over, exit
+
+
+def test_a_dtensor_counts_its_local_shard_not_the_whole_tensor():
+    """A DTensor holds no memory of its own (its storage reports the global size but has no
+    data): the tracker counts the local shard its op made, on every rank."""
+    for res in zerolab.launch(WM.dtensor_op_bytes, 2, timeout=120):
+        assert res["peak"] == res["local"] == res["global"] // 2

@@ -202,6 +202,17 @@ def test_comm_volume(stage, factor, n):
     assert c.ring_sent_bytes == pytest.approx(factor * psi * 2 * (n - 1) / n)
 
 
+def test_comm_volume_without_the_roots_backward_gather():
+    """zerolab's ZeRO-3 and FSDP2 keep the root unit gathered from forward to backward."""
+    psi, root, n = 1_000_000, 250_000, 4
+    c = theory.comm_volume(psi, n, "ZeRO-3", root_numel=root)
+    assert c.elements == 3 * psi - root
+    assert c.ring_sent_bytes == pytest.approx(4 * (3 * psi - root) * (n - 1) / n)
+    assert theory.comm_volume(psi, n, "ZeRO-3", root_numel=0) == theory.comm_volume(psi, n, 3)
+    with pytest.raises(ValueError, match="root_numel is ZeRO-3's"):
+        theory.comm_volume(psi, n, "ZeRO-2", root_numel=root)
+
+
 def test_comm_collectives_per_stage():
     assert theory.comm_volume(1, 2, "DDP").collectives == ("all_reduce",)
     assert theory.comm_volume(1, 2, "zero1").collectives == ("reduce_scatter", "all_gather")

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
-from zerolab.memory import StateTensors, optimizer_tensors
+from zerolab.memory import Settled, StateTensors, optimizer_tensors
 from zerolab.parts.arguments import check_engine_arguments
 from zerolab.parts.buffers import BufferSync
 from zerolab.parts.engine_base import EngineBase
@@ -117,17 +117,18 @@ class DDP(EngineBase):
         self._hook_modules()
         self._hook_module_state()  # model.state_dict() and load_state_dict() (parts/habits.py)
         route_zero_grad(self)  # model.zero_grad(), optimizer.zero_grad(): the engine's
+        # Final parameter objects (a meta model's were replaced), listed once for the tracker
+        self._params = list(model.parameters())
 
     # ---- set-up: what each rank holds ---------------------------------------------------------
 
     def _materialize(self) -> None:
-        """DDP holds every parameter: build a meta-device model all at once (startup.py)."""
+        """DDP holds every parameter: build a meta model all at once (parts/materialize.py)."""
         materialize(self.module, self.device)
 
     def _make_buckets(self) -> list[GradBucket]:
         """Greedy, in reverse order (≈ backward's): close a bucket once it holds bucket_bytes.
-        A parameter is never split between buckets; a bucket holds one parameter group of one
-        dtype (param_groups.py: with one of each, one bucket is filled at a time)."""
+        A parameter is never split; a bucket holds one parameter group of one dtype."""
         params = reversed([p for p in self.module.parameters() if p.requires_grad])
         return [GradBucket(f"bucket{i}", ps, FlatLayout.of(ps, self.world_size)) for i, ps in
                 enumerate(bucket_params(list(params), self.bucket_bytes, self.groups.key))]
@@ -233,15 +234,14 @@ class DDP(EngineBase):
     def state_tensors(self) -> StateTensors:
         """What this rank holds now, by category. (fp32 masters are the parameters, counted
         once; with mixed precision they are fp32 copies: with Adam's m and v, K = 12.)"""
-        return {"params": list(self.module.parameters()),
-                "grads": [b.flat_grad for b in self.buckets],
-                "optimizer": optimizer_tensors(self.optimizer) + self.masters}
+        return {"params": list(self._params), "grads": [b.flat_grad for b in self.buckets],
+                # Settled: changes only in optimizer.step(); the memory tracker reads it then
+                "optimizer": Settled(lambda: optimizer_tensors(self.optimizer) + self.masters)}
 
 
 class DDPAfterBackward(DDP):
-    """DDP without the overlap: backward reduces nothing; step() all-reduces every bucket once
-    backward is over (_finish_backward reduces whatever backward did not). The same bytes as
-    DDP; notebook 01 sets the two side by side on a timeline."""
+    """DDP without the overlap: backward reduces nothing; step() all-reduces every bucket (the
+    same bytes as DDP; notebook 01 sets the two side by side on a timeline)."""
 
     name = "ddp_after_backward"
 

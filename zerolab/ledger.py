@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zerolab.memory import MemoryTrace, _Tracker, track_memory
-from zerolab.parts.nest import tensors_in
+from zerolab.memory import MemoryTrace, SavedForBackward, _Tracker, track_memory
 
 ROWS = ("params", "buffers", "inputs", "grads", "optimizer", "padding", "activations",
         "activation grads", "forward temporaries", "step temporaries", "comm")
@@ -76,10 +75,10 @@ class _LedgerTracker(_Tracker):
     """zerolab.memory's tracker, which also remembers when each storage was made, and keeps
     what was alive, and in which category, at the peak."""
 
-    def __init__(self, engine, inputs: list[torch.Tensor], trace: MemoryTrace, saved) -> None:
+    def __init__(self, engine, inputs: list[torch.Tensor], trace: MemoryTrace) -> None:
         super().__init__(lambda: {**engine.state_tensors(),
                                   "buffers": list(engine.module.buffers()), "inputs": inputs},
-                         trace, saved)
+                         trace, activations=True)
         self.engine = engine
         self.phase = "before"  # the step's phase now: "forward", "backward", "step"
         # What each storage held at entry was then ("before: comm"): for what nothing claims.
@@ -94,31 +93,27 @@ class _LedgerTracker(_Tracker):
         self.padding_at_peak: dict[str, int] = {}
         self.phase_at_peak = "before"
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tensors_in(out):
-            if not t.is_meta and id(t.untyped_storage()) not in self.live:
-                self.made[id(t.untyped_storage())] = self.phase
-            self.watch(t)
-        self.sample()
-        return out
+    def _new(self, storage: torch.UntypedStorage, key: int) -> None:
+        self.made[key] = self.phase  # a storage seen for the first time: made now
+        super()._new(storage, key)
 
-    def sample(self) -> None:
+    def sample(self) -> int:
         before = self.trace.peak_bytes
-        super().sample()
+        visits = super().sample()
         if self.trace.peak_bytes > before:
             self._keep_peak()
+        return visits
 
     def _keep_peak(self) -> None:
         category_of: dict[int, str] = {}
-        categories = dict(self.categorize())
-        if self.saved is not None:
-            categories["activations"] = self.saved.tensors()
-        for category, tensors in categories.items():
+        for category, tensors in self.categorize().items():
             for t in tensors:
                 category_of.setdefault(id(t.untyped_storage()), category)
+        for key in self.held:  # what autograd saved for backward, if nothing above claims it
+            category_of.setdefault(key, "activations")
         self.at_peak, self.grads_at_peak = {}, set()
-        for key, (ref, _) in self.live.items():
+        for key, entry in [*self.live.items(), *self.fixed.items()]:
+            ref = entry.ref
             storage = ref()
             if storage is not None and storage.nbytes():
                 made = self.made.get(key, "before")
@@ -183,8 +178,9 @@ def measure(engine, x: torch.Tensor, y: torch.Tensor, loss_fn=None) -> Ledger:
     zero_grad) under the ledger's tracker; every rank of the engine calls it."""
     loss_fn = loss_fn or engine.module.loss
     memory = track_memory(activations=True)
-    tracker = _LedgerTracker(engine, [x, y], memory.trace, memory._saved)
+    tracker = _LedgerTracker(engine, [x, y], memory.trace)
     memory._tracker = tracker  # the same tracker, which remembers more
+    memory._saved = SavedForBackward(tracker.saved, tracker.released)
     hooks = [p.register_hook(lambda g: tracker.note_grad(g) or None)
              for p in engine.module.parameters() if p.requires_grad]
     try:

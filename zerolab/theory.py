@@ -258,25 +258,25 @@ class CommVolume:
     """Communication of one training step, per rank."""
 
     stage: str
-    collectives: tuple[str, ...]  # each over the whole model: S = Ψ elements
+    collectives: tuple[str, ...]  # each over the whole model: S = Ψ (ZeRO-3's 2nd: Ψ - root)
     elements: float  # the paper's volume: an all-reduce counts 2Ψ, the others Ψ
     bytes: float  # elements × bytes per element
     ring_sent_bytes: float  # what one rank sends with ring algorithms: bytes × (N-1)/N
 
 
 def comm_volume(num_params: float, world_size: int, stage: str | int,
-                bytes_per_element: float = 4) -> CommVolume:
+                bytes_per_element: float = 4, root_numel: float = 0) -> CommVolume:
     """Per-step communication of a stage: DDP, ZeRO-1, ZeRO-2 2Ψ; ZeRO-3, ZeRO-1 by all-reduce 3Ψ.
-
-    `bytes_per_element`: 4 for fp32, 2 for bf16/fp16 gradients and parameters.
-    """
+    `bytes_per_element`: 4 for fp32, 2 for bf16/fp16. `root_numel`: ZeRO-3's root unit, kept
+    from forward to backward (zerolab, FSDP2), not gathered again: 3Ψ - root (0: the paper's)."""
     stage = stage_name(stage)
-    ops = STEP_COLLECTIVES[stage]
-    elements = sum(_RING_FACTOR[op] for op in ops) * num_params
-    nbytes = num_params * bytes_per_element
-    return CommVolume(stage=stage, collectives=ops, elements=elements,
-                      bytes=elements * bytes_per_element,
-                      ring_sent_bytes=sum(ring_sent_bytes(op, nbytes, world_size) for op in ops))
+    if root_numel and stage != "ZeRO-3":
+        raise ValueError(f"root_numel is ZeRO-3's (its backward all-gather); {stage} has none")
+    ops = STEP_COLLECTIVES[stage]  # ZeRO-3's second all-gather, backward's, leaves out the root
+    sizes = [num_params - root_numel * (i == 1) for i in range(len(ops))]
+    elements = sum(_RING_FACTOR[op] * size for op, size in zip(ops, sizes))
+    return CommVolume(stage, ops, elements, elements * bytes_per_element, sum(
+        ring_sent_bytes(op, size * bytes_per_element, world_size) for op, size in zip(ops, sizes)))
 
 
 # --- model sizes --------------------------------------------------------------------------------

@@ -10,26 +10,22 @@ What changes from ZeRO-2 (zero2.py):
   into it. reshard: right after its forward (post_forward) and after its backward
   (post_backward), the storage is resized to zero again. At any moment a rank holds the shards
   plus the one or two units it is working on.
-- post_backward is ZeRO-2's bucket hook: when the last gradient of a unit is accumulated, the
-  unit's gradient is reduce-scattered and the unit is resharded.
+- post_backward is ZeRO-2's bucket hook: a unit's last gradient in, reduce-scatter, reshard.
 - No all-gather after the step: the next forward gathers what it needs.
 - Traffic per step: all-gather in forward (Ψ), again in backward (Ψ), reduce-scatter (Ψ): 3Ψ,
-  1.5x DDP's 2Ψ. That is the price of holding 1/N of the parameters.
+  1.5x DDP's 2Ψ, the price of holding 1/N of the parameters; less the root's backward gather:
+  backward starts with the root (embeddings, head), kept gathered as FSDP2 keeps its root.
 - Prefetch (on by default): when a unit starts, the all-gather of the next unit (next in forward,
   previous in backward) is issued asynchronously, so communication overlaps compute.
 - One bucket per unit (per parameter group and dtype): ZeRO-3 reduces a unit's gradients
   when its backward is over, so `bucket_bytes` has no meaning here and is refused.
 - model.state_dict() gathers full tensors; model.load_state_dict(full) fills the shards.
-- reshard_after_forward=False (FSDP2's knob of that name): units stay gathered from their
-  forward to their backward, which then gathers nothing: 2Ψ per step instead of 3Ψ, for the
-  whole model's parameters at the peak (ZeRO-2's). (FSDP2's int, a smaller group to reshard
-  to, is ZeRO++'s hpZ: zeropp.ZeroPP(secondary_shard_size=k).)
+- reshard_after_forward=False (FSDP2's knob): units stay gathered from forward to backward:
+  2Ψ per step, the whole model's parameters at the peak. (FSDP2's int is ZeRO++'s hpZ.)
 
-ZeRO++ (zeropp.py) subclasses this file: it changes how a unit's weights travel (`_gather`)
-and how its gradients are reduced (`_reduce`), not when.
-
-Which parameters form each unit (and the root, the model itself: embeddings, final LayerNorm,
-any weight two units share) is decided by `make_units` (units.py) before the engine is built.
+ZeRO++ (zeropp.py) subclasses this file: it changes how weights travel (`_gather`) and how
+gradients are reduced (`_reduce`), not when. `make_units` (units.py) decides each unit's
+parameters, and the root's (the model itself: embeddings, final LayerNorm, shared weights).
 """
 
 from __future__ import annotations
@@ -52,12 +48,11 @@ from zerolab.zero2 import GradShardedBucket, ZeRO2
 class ZeRO3(ZeRO2):
     name = "zero3"
 
-    # Note: ZeRO++ is a subclass (zeropp.ZeroPP). design.md's spelling builds it from here,
-    # `ZeRO3(model, AdamW, quantize_weights=True)`: __new__ hands a call that names one of a
-    # subclass's `options` to that subclass, which Python then initialises with the same
-    # arguments. The subclass is found among ZeRO3's subclasses, so this file imports nothing
-    # of ZeRO++.
+    # Note: `ZeRO3(model, AdamW, quantize_weights=True)` (design.md) builds ZeRO++: __new__
+    # hands a call naming a subclass's `options` to that subclass (found among ZeRO3's
+    # subclasses, so this file imports nothing of ZeRO++), and Python initialises it.
     options: tuple[str, ...] = ()  # keyword arguments a subclass adds to ZeRO-3's
+    keeps_root = True  # the root stays gathered from forward to backward (FSDP2's does)
 
     def __new__(cls, *args, **kwargs):
         if cls is ZeRO3:
@@ -70,13 +65,12 @@ class ZeRO3(ZeRO2):
                  units: Sequence[UnitSpec] | None = None, prefetch: bool = True,
                  reshard_after_forward: bool = True, **kwargs):
         if "bucket_bytes" in kwargs:
-            raise TypeError("ZeRO3 takes no bucket_bytes: each unit's gradients are reduced as "
-                            "one bucket when its backward is over. Choose the units instead "
-                            "(units=[...]).")
+            raise TypeError("ZeRO3 takes no bucket_bytes: each unit's gradients are reduced "
+                            "as one bucket when its backward is over (choose units=[...]).")
         for name in {n for sub in ZeRO3.__subclasses__() for n in sub.options} - {*self.options}:
             if kwargs.pop(name, None):  # False / None: plain ZeRO-3, as __new__ decided
                 raise TypeError(f"{type(self).__name__} takes no {name} (a ZeRO++ option: "
-                                f"zerolab.ZeroPP)")
+                                "zerolab.ZeroPP)")
         self.units = make_units(model, units)  # which parameters each unit gathers, root last
         self.root = self.units[-1]
         self._ready: dict[str, int] = {}  # unit name -> its buckets reduced in this backward
@@ -100,8 +94,8 @@ class ZeRO3(ZeRO2):
         return [b for u in self.units for b in u.buckets if b.params[0].requires_grad]
 
     def _materialize(self) -> None:
-        """Only the buffers now: a meta-device model's parameters are built unit by unit, in
-        _shard_model, so that no rank ever holds the whole model (startup.py)."""
+        """Only the buffers now: a meta model's parameters are built unit by unit in
+        _shard_model, so that no rank ever holds the whole model (parts/materialize.py)."""
         materialize(self.module, self.device, params=False)
 
     def _shard_model(self) -> None:
@@ -177,11 +171,10 @@ class ZeRO3(ZeRO2):
                     lambda m, args, out, u=unit: self.post_forward(u, out))
 
     # Note: with activation checkpointing (torch.utils.checkpoint on a unit), backward runs the
-    # unit's forward again to recompute what it did not keep, and that recompute fires the
-    # unit's forward hooks. pre_backward has already gathered the unit; a pre_forward then must
-    # not prefetch the *next* unit (forward's order, wrong in backward), and a post_forward must
-    # not reshard the unit that backward is about to use. As FSDP2 does, a unit remembers that
-    # it is in backward, and its forward hooks do nothing until post_backward.
+    # unit's forward again to recompute what it did not keep, firing its forward hooks after
+    # pre_backward gathered it: pre_forward must not prefetch the *next* unit (forward's order)
+    # nor post_forward reshard what backward is about to use. As FSDP2's, a unit remembers it
+    # is in backward, and its forward hooks do nothing until post_backward.
 
     def pre_forward(self, unit: Unit) -> None:
         if unit.in_backward:  # a checkpoint's recompute: pre_backward gathered it
@@ -193,12 +186,20 @@ class ZeRO3(ZeRO2):
     def post_forward(self, unit: Unit, output) -> None:
         if unit.in_backward:  # a checkpoint's recompute: keep the unit for its backward
             return
-        for u in self.units if unit is self.root else [unit]:  # root: the forward is over
-            if self.reshard_after_forward:
+        if self.reshard_after_forward:  # False: every unit stays gathered for its backward
+            for u in self._freed_after_forward(unit, output):
                 self.reshard(u)
         for t in tensors_in(output):
             if t.requires_grad:  # fires when the gradient w.r.t. this output is ready
                 t.register_hook(lambda grad, u=unit: self.pre_backward(u))
+
+    def _freed_after_forward(self, unit: Unit, output) -> list[Unit]:
+        """The unit; after the root's (the model's) forward, every unit but the root when a
+        backward follows: backward starts with it (the head), as FSDP2's root."""
+        if unit is not self.root:
+            return [unit]
+        keep = self.keeps_root and any(t.requires_grad for t in tensors_in(output))
+        return [u for u in self.units if not (keep and u is self.root)]
 
     def pre_backward(self, unit: Unit) -> None:
         unit.in_backward = True
@@ -234,16 +235,15 @@ class ZeRO3(ZeRO2):
             self.post_backward(unit)
         self._ready.clear()
 
-    def _after_step(self) -> None:
-        """Nothing to gather: the next forward gathers each unit when it needs it."""
+    def _after_step(self) -> None:  # nothing to gather: each forward gathers its units
+        pass
 
     def _hook_module_state(self) -> None:  # first: a load fills the shards, then the masters
         hook_gathered_state(self)  # model.state_dict(): full tensors (parts/habits.py)
         super()._hook_module_state()
 
     def state_tensors(self):
-        state = super().state_tensors()
-        # A gather writes straight into the unit's flat_param ("params").
+        state = super().state_tensors()  # a gather writes straight into flat_param: "params"
         state["params"] = [t for u in self.units for b in u.buckets
                            for t in (b.local_shard, b.flat_param)]
         return state

@@ -80,6 +80,8 @@ class ZeroPP(ZeRO3):
                              f"node_size={size}")
         self.nodes: Nodes | None = make_nodes(size, group) if size else None
         self.secondary: dict[str, torch.Tensor] = {}  # bucket name -> (padded_numel / k,)
+        # qwZ: the root's forward weights are int8-rounded; backward gathers the exact ones.
+        self.keeps_root = not quantize_weights
         super().__init__(model, optimizer_cls, **kwargs)
 
     # ---- how a unit's weights travel -----------------------------------------------------------
@@ -116,7 +118,7 @@ class ZeroPP(ZeRO3):
 
     def post_forward(self, unit: Unit, output) -> None:
         if self.secondary_shard_size and not unit.in_backward:
-            for u in self.units if unit is self.root else [unit]:  # what is about to be freed
+            for u in self._freed_after_forward(unit, output):  # what is about to be freed
                 for b in u.buckets if u.unsharded else []:
                     self._keep_secondary(b)
         super().post_forward(unit, output)

@@ -23,6 +23,7 @@ from zerolab.lessons import (
     n08_activations,
 )
 from zerolab.models import GPT, GPTConfig, num_params
+from zerolab.units import make_units
 
 # ---- lessons 00-03 ------------------------------------------------------------------------------
 
@@ -66,6 +67,12 @@ def lessons_04_07_at_2() -> dict:
 
 def psi(config: GPTConfig) -> int:
     return num_params(GPT(config))
+
+
+def root_numel(config: GPTConfig, stage: str = "ZeRO-3") -> int:
+    """ZeRO-3's root unit (embeddings, final LayerNorm): kept gathered from forward to
+    backward, it is not gathered again (theory.comm_volume's root_numel); 0 for other stages."""
+    return sum(p.numel() for p in make_units(GPT(config))[-1].params) if stage == "ZeRO-3" else 0
 
 
 def hand_made_log(events: list[tuple[str, str, float, float, bool]],

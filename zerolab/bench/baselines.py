@@ -24,12 +24,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zerolab.memory import StateTensors, model_state_bytes, optimizer_tensors
+from zerolab.memory import (
+    Settled,
+    StateTensors,
+    inner_tensors,
+    model_state_bytes,
+    optimizer_tensors,
+)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of `t` this rank holds: a DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """The part of `t` this rank holds: a DTensor's local shard, or the tensor itself. (Read
+    through the tensor-subclass protocol: to_local() runs an autograd function, which the
+    memory tracker, reading state_tensors() after every op, would pay for every time.)"""
+    return next(inner_tensors(t))
 
 
 class _TorchEngine:
@@ -39,6 +47,7 @@ class _TorchEngine:
     module: nn.Module
     optimizer: torch.optim.Optimizer
     local_optimizer: torch.optim.Optimizer  # the one holding state on this rank
+    params: list[nn.Parameter]  # the module's (DDP keeps them; FSDP2 lists its own)
 
     def __init__(self, model: nn.Module, group: dist.ProcessGroup | None):
         self.module = model
@@ -56,10 +65,11 @@ class _TorchEngine:
         self.optimizer.zero_grad(set_to_none=False)
 
     def state_tensors(self) -> StateTensors:
-        params = list(self.module.parameters())
+        params = self.params
         return {"params": [local(p) for p in params],
                 "grads": [local(p.grad) for p in params if p.grad is not None],
-                "optimizer": [local(t) for t in optimizer_tensors(self.local_optimizer)]}
+                "optimizer": Settled(lambda: [local(t) for t in
+                                              optimizer_tensors(self.local_optimizer)])}
 
     def model_state_bytes(self) -> dict[str, int]:
         return model_state_bytes(self.state_tensors())
@@ -80,6 +90,7 @@ class TorchDDP(_TorchEngine):
                  **optimizer_kwargs: Any):
         super().__init__(model, group)
         self.ddp = _wrap_ddp(model, group, bucket_bytes)
+        self.params = list(model.parameters())  # DDP keeps these (not walked at every read)
         self.optimizer = self.local_optimizer = optimizer_cls(model.parameters(),
                                                               **optimizer_kwargs)
 
@@ -100,6 +111,7 @@ class TorchZeRO(TorchDDP):
 
         _TorchEngine.__init__(self, model, group)
         self.ddp = _wrap_ddp(model, group, bucket_bytes)
+        self.params = list(model.parameters())
         self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_cls,
                                                  process_group=group,
                                                  parameters_as_bucket_view=True,
@@ -130,6 +142,7 @@ class TorchFSDP2(_TorchEngine):
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)  # the root: embeddings, final LayerNorm, the tied head
         self.sharded = list(model.parameters())  # DTensors: the optimizer's parameters
+        self.modules = list(model.modules())  # where FSDP2 registers gathered parameters
         self.optimizer = self.local_optimizer = optimizer_cls(self.sharded, **optimizer_kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -140,10 +153,12 @@ class TorchFSDP2(_TorchEngine):
 
     def state_tensors(self) -> StateTensors:
         # While a unit runs, FSDP2 registers plain unsharded parameters in the DTensors' place.
-        gathered = [p for p in self.module.parameters() if not hasattr(p, "to_local")]
+        gathered = [p for m in self.modules for p in m.parameters(recurse=False)
+                    if not hasattr(p, "to_local")]
         return {"params": [local(p) for p in self.sharded] + gathered,
                 "grads": [local(p.grad) for p in self.sharded if p.grad is not None],
-                "optimizer": [local(t) for t in optimizer_tensors(self.optimizer)]}
+                "optimizer": Settled(lambda: [local(t) for t in
+                                              optimizer_tensors(self.optimizer)])}
 
     def shard_shapes(self) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
         """{name: (full shape, this rank's shard shape)}: FSDP2 shards each parameter on dim 0."""

@@ -32,13 +32,16 @@ Method, so that every figure can be checked:
 - The floor. In the same rotation, every round also times the same model's forward and backward
   alone, with no engine: no collective, no optimizer step. No engine can be faster; a time
   target that asks for less than it, as a share of the counterpart's step, is out of reach.
-- Memory and traffic. A separate pass runs two more steps of each engine: one under the comm
-  recorder only, one under `zerolab.track_memory` as well, with a `categorize` for every
-  engine: the engines' `state_tensors()`, and for torch's the module's parameters, gradients
-  and optimizer state. Peak = the largest total of live tensor bytes in the step, by category.
-  Model-state bytes are read after the optimizer step, before zero_grad, from the live tensors,
-  and set against the formulas of zerolab.theory. The two steps' times against a plain step's
-  are what measuring costs (the tracker inspects every op).
+- Overhead. An engine's overhead in a round is its step's time minus the floor's in that
+  round: what the engine adds to the compute (collectives, optimizer step, copies, hooks). The
+  targets are on the median of the per-round ratios of a stage's overhead to its counterpart's.
+- Memory and traffic. A separate pass runs rounds of three more steps of each engine: a plain
+  one, one under the comm recorder only, one under `zerolab.track_memory` as well, with a
+  `categorize` for every engine: the engines' `state_tensors()`, and for torch's the module's
+  parameters, gradients and optimizer state. Peak = the largest total of live tensor bytes in
+  the step, by category. Model-state bytes are read after the optimizer step, before
+  zero_grad, from the live tensors, and set against the formulas of zerolab.theory. The
+  measured steps' times against the plain one's of the same round are what measuring costs.
 - Bytes sent per rank per step: zerolab's from `record_comm`. torch's collectives do not go
   through zerolab.comm, so a dispatch mode (`torch_comm.CollectiveCounter`) sees each c10d
   collective torch issues (DDP's bucket all-reduces, ZeroRedundancyOptimizer's broadcasts,
@@ -69,11 +72,20 @@ import torch.distributed as dist
 
 import zerolab
 from zerolab import harness
-from zerolab.bench.config import BENCHED, GPT2, QUICK, BenchConfig, bench_batch, make_engine
+from zerolab.bench.config import (
+    BENCHED,
+    GPT2,
+    QUICK,
+    BenchConfig,
+    bench_batch,
+    forward_backward,
+    make_engine,
+)
 from zerolab.bench.profile import format_profiles, run_profile
 from zerolab.bench.report import format_table, plot, summarize
 from zerolab.launcher.progress import Progress, ProgressBar, follow_progress
 from zerolab.models import GPT, num_params
+from zerolab.units import make_units
 from zerolab.wire.torch_counter import CollectiveCounter
 
 T = TypeVar("T")
@@ -91,7 +103,8 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
     engines = {k: make_engine(k, config, ctx.device) for k in keys}
     model = engines[reference].module
     rounds = config.warmup + config.steps
-    total = rounds * len(keys) + (2 * len(keys) if config.measure else 0) + 1
+    measuring = 3 * config.measure_rounds if config.measure else 0  # steps per engine
+    total = rounds * len(keys) + measuring * len(keys) + 1
     done = 0
 
     def report(label: str) -> None:
@@ -108,14 +121,16 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
     times: dict[str, list[float]] = {k: [] for k in keys}
     cpu_times: dict[str, list[float]] = {k: [] for k in keys}  # this process, all its threads
     page_faults: dict[str, list[int]] = {k: [] for k in keys}  # pages first touched (allocator.py)
-    floor, floor_times = GPT(config.gpt_config()).to(ctx.device), []
+    floor, floor_times, floor_cpu = GPT(config.gpt_config()).to(ctx.device), [], []
     order = (*keys, FLOOR)
     for r in range(rounds):
         x, y = batch(r)
         shift = r % len(order)
         for key in order[shift:] + order[:shift]:
             if key == FLOOR:
-                floor_times.append(timed(ctx.device, forward_backward, floor, x, y)[0])
+                wall, cpu, _ = timed(ctx.device, forward_backward, floor, x, y)
+                floor_times.append(wall)
+                floor_cpu.append(cpu)
                 continue
             faults = minor_page_faults()
             wall, cpu, _ = timed(ctx.device, harness.train_step, engines[key], x, y)
@@ -124,38 +139,40 @@ def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
             cpu_times[key].append(cpu)
             report(f"{'warm-up' if r < config.warmup else 'step'} {r + 1}/{rounds} {key}")
 
-    # 2. Memory and traffic: two more steps of each, measured: the comm recorder alone, then
-    # with the memory tracker as well (what measuring memory costs: their times' ratio).
+    # 2. Memory and traffic, and what measuring costs: rounds of three more steps of each, a
+    # plain one, one under the comm recorder, one under the memory tracker as well; each
+    # measured step's time against the plain one just before it (seconds apart: the same load).
     measured: dict[str, dict[str, Any]] = {}
-    if config.measure:
-        for key in keys:
-            recorded_s, _, _ = timed(ctx.device, harness.measured_step, engines[key],
-                                     *batch(rounds), memory=False)
+    for key in keys if config.measure else ():
+        costs: dict[str, list[float]] = {"plain_s": [], "recorded_s": [], "tracked_s": []}
+        for i in range(rounds, rounds + 3 * config.measure_rounds, 3):
+            costs["plain_s"].append(timed(ctx.device, harness.train_step, engines[key],
+                                          *batch(i))[0])
+            report(f"plain {key}")
+            costs["recorded_s"].append(timed(ctx.device, harness.measured_step, engines[key],
+                                             *batch(i + 1), memory=False)[0])
             report(f"traffic {key}")
-            tracked_s, _, m = timed(ctx.device, measure_step, engines[key], *batch(rounds + 1))
-            measured[key] = {**m, "recorded_step_s": recorded_s, "tracked_step_s": tracked_s}
+            tracked_s, _, m = timed(ctx.device, measure_step, engines[key], *batch(i + 2))
+            costs["tracked_s"].append(tracked_s)
             report(f"memory {key}")
+        measured[key] = {**m, **costs}
 
     # 3. Correctness: full parameters against the reference's.
     expected = engines[reference].full_state_dict()
     diffs = {k: harness.max_diff(engines[k].full_state_dict(), expected) for k in keys}
     report("compare parameters")
     return {"rank": ctx.rank, "times": times, "floor_times": floor_times, "cpu_times": cpu_times,
+            "floor_cpu_times": floor_cpu,
             "page_faults": page_faults, "measured": measured,
             "max_abs_diff": diffs, "reference": reference,
             "params": num_params(model) if ctx.rank == 0 else None,
+            # ZeRO-3's and FSDP2's root unit, kept gathered from forward to backward
+            "root_params": sum(p.numel() for p in make_units(floor)[-1].params),
             "backend": ctx.backend, "device": str(ctx.device),
             "threads": torch.get_num_threads()}
 
 
 FLOOR = "floor"  # in the timing rotation: forward and backward alone
-
-
-def forward_backward(model: GPT, x: torch.Tensor, y: torch.Tensor) -> None:
-    """What every engine computes in a step, and nothing else: forward and backward on this
-    rank's batch, with no collective and no optimizer step. No engine can be faster."""
-    model.loss(model(x), y).backward()
-    model.zero_grad(set_to_none=False)  # as the engines do: the next backward adds into zeros
 
 
 def minor_page_faults() -> int:

@@ -72,6 +72,13 @@ def engine_cases(world_size: int) -> list[Case]:
 # ---- the stages -------------------------------------------------------------------------------
 
 
+class ZeRO3AsTaught(ZeRO3):
+    """zerolab's ZeRO-3 as exercise 5.3 asks for it: the root gathered again for backward.
+    (zerolab's own keeps the root gathered from forward to backward, as FSDP2 does.)"""
+
+    keeps_root = False
+
+
 @dataclass(frozen=True)
 class Stage:
     """A stage the learner builds: zerolab's engine of it, and how its step goes."""
@@ -197,7 +204,7 @@ STAGES = {
             "The loss differs with the same parameters: after the step, all-gather every "
             "bucket's shards into its flat buffer before the next forward."),
     }),
-    "zero3": Stage("zero3", "ZeRO-3", ZeRO3, ("params", "grads", "optimizer"), "3Ψ",
+    "zero3": Stage("zero3", "ZeRO-3", ZeRO3AsTaught, ("params", "grads", "optimizer"), "3Ψ",
                    _zero3_bounds, {
         "spread": Mistake(
             "a rank stepped another rank's shard",

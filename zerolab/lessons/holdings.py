@@ -292,7 +292,10 @@ class _ZeRO2(_Snapshots, ZeRO2):
 
 
 class _ZeRO3(_Snapshots, ZeRO3):
-    pass
+    # The figure's model is one unit, the root, which zerolab's ZeRO-3 (as FSDP2) keeps
+    # gathered from forward to backward. Here it is resharded after forward, as every other
+    # unit is, so that the picture shows the life of a unit: gather, free, gather, free.
+    keeps_root = False
 
 
 # One bucket (DDP, ZeRO-1, ZeRO-2: bucket_bytes past the model's) or one unit (ZeRO-3: the

@@ -194,6 +194,7 @@ class _KnobbedFSDP2:
         engine = TorchFSDP2.__new__(TorchFSDP2)
         _TorchEngine.__init__(engine, model, None)
         engine.sharded = list(model.parameters())
+        engine.modules = list(model.modules())  # where FSDP2 registers gathered parameters
         engine.optimizer = engine.local_optimizer = optimizer_cls(engine.sharded,
                                                                   **optimizer_kwargs)
         return engine

@@ -186,8 +186,11 @@ def formula(variant: str, numels: dict[str, int], world_size: int = 4,
     if options.get("quantize_weights"):  # each rank quantises its own shard of each unit
         gathered = sum(n * theory.int8_bytes(p // n) for p in numels.values())
     forward = GATHER_SHARE * theory.ring_sent_bytes("all_gather", gathered, n)
+    # Backward gathers every unit again but the root, kept gathered from forward to backward
+    # (zerolab.zero3), unless qwZ rounded its forward weights: then the exact ones are gathered.
+    again = fp32 if options.get("quantize_weights") else fp32 - 4 * numels["root"]
     backward = 0.0 if options.get("secondary_shard_size") else (
-        GATHER_SHARE * theory.ring_sent_bytes("all_gather", fp32, n))
+        GATHER_SHARE * theory.ring_sent_bytes("all_gather", again, n))
     # the gradients' reduce-scatter: a chunk straight to each other rank (zerolab.wire.backends)
     gradients = REDUCE_SCATTER_SHARE * theory.ring_sent_bytes("reduce_scatter", fp32, n)
     if options.get("quantize_grads"):  # qgZ: its hop across nodes (zerolab.zeropp)
