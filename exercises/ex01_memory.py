@@ -47,7 +47,8 @@ def distinct_storage_bytes(tensors: list[torch.Tensor]) -> int:
     freed: that can crash the process.)
     Example: a (12,) float32 buffer and three (4,) views into it -> 48, not 96.
     Graded on: views of one buffer, a tied weight, a (2,) slice of a (100,) tensor, a freed
-    storage, parameters in a flat buffer with gradients apart, mixed dtypes; the tensors
+    storage, parameters in a flat buffer with gradients apart, mixed dtypes, non-contiguous
+    views (a transpose, a strided slice), a buffer seen as another dtype; the tensors
     afterwards.
 
     Hint: every tensor has a storage, t.untyped_storage(): how can you tell that two tensors

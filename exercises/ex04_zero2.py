@@ -36,8 +36,9 @@ def reduce_scatter_bucket(params: list[torch.Tensor], grad_shard: torch.Tensor, 
     values are unchanged.
     Must: talk to the other ranks through zerolab.comm (a tag, `group`), sending (N-1)/N of
     the bucket's padded gradient bytes.
-    Graded on: the groups of 3.1 on 1, 2 and 3 ranks, grad_shard holding an earlier
-    micro-batch: grad_shard, the .grad attributes, the params, the ops called, bytes sent.
+    Graded on: the groups of 3.1 on 1, 2 and 3 ranks, one in float64, one whose gradients
+    are non-contiguous views, grad_shard holding an earlier micro-batch: grad_shard, the .grad
+    attributes, the params, the ops called, bytes sent.
 
     Hint: which collective leaves each rank with the averaged gradient of its shard only?
     """

@@ -28,13 +28,14 @@ def unshard(local_shard: torch.Tensor, shapes: list[torch.Size], rank: int, worl
     Inputs: local_shard: (shard_numel,), this rank's shard of a unit's flat padded
     parameters (3.1's layout). shapes: the unit's parameter shapes, in order.
     Returns: one tensor per shape, with that shape and local_shard's dtype, the same values
-    on every rank: views into one gathered flat buffer of world_size * shard_numel elements
-    (the padding left out), so that 5.2 frees them all by freeing that one buffer.
+    on every rank: views into one new gathered flat buffer of world_size * shard_numel
+    elements (the padding left out; on one rank too, not local_shard), so that 5.2 frees them
+    all by freeing that one buffer.
     Must: leave local_shard unchanged; talk to the other ranks through zerolab.comm (a tag,
     `group`), sending (N-1)/N of the gathered buffer's bytes.
-    Graded on: the groups of 3.1 (one in float64) on 1, 2 and 3 ranks: the tensors, the
-    storages behind them (one, of world_size * shard_numel elements), local_shard
-    afterwards, the ops called and bytes sent.
+    Graded on: the groups of 3.1 (one in float64, one in bfloat16) on 1, 2 and 3 ranks: the
+    tensors, the storages behind them (one, of world_size * shard_numel elements, not
+    local_shard's), local_shard afterwards, the ops called and bytes sent.
 
     Hint: which collective brings every rank's shard to every rank, and where in its output
     does parameter 0 start?

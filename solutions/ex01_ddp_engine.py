@@ -1,9 +1,11 @@
 """Exercise for notebook 01 (01_ddp): DDP, the engine, as torch's DistributedDataParallel does it.
 
-The class runs on every rank at once: the grader spawns 1, 2 and 3 processes, builds the same
-model on each and trains it with your engine and with zerolab.ddp.DDP side by side. Talk to the
-other ranks only through zerolab.comm (it records every call, with its tag).
+The class runs on every rank at once: the grader starts 1, 2 and 3 processes, builds the same
+model on each and trains it with your engine, then with zerolab.ddp.DDP on the same batches,
+and compares what they computed, held and sent. Talk to the other ranks only through
+zerolab.comm (it records every call, with its tag).
 
+zerolab's own engine is in zerolab/ddp.py: solve this first, then read it.
 Check your answer with `grade("1.3")` in the notebook, or `python -m zerolab.grade 1.3`.
 """
 
@@ -27,26 +29,29 @@ class DDPEngine:
         engine.step()
         engine.zero_grad()
 
-    The contract (what the grader calls, and what it measures):
+    The contract (what the grader calls):
     - Every rank is given the same model (same seed): no need to broadcast it.
     - Buckets: the trainable parameters in reverse order (about the order backward produces
-      their gradients), a bucket closed once it holds `bucket_bytes`; a parameter is never
-      split. Frozen parameters (requires_grad=False) get no gradient, no optimizer state and
-      are never communicated.
+      their gradients), a bucket closed once it holds `bucket_bytes` (checked before adding
+      the next parameter); a parameter is never split. Frozen parameters (requires_grad=False)
+      get no gradient, no optimizer state, and are never communicated.
     - Each bucket's gradients live in one flat buffer; the parameters' .grad are views of it.
-    - During backward, as soon as the last gradient of a bucket is accumulated (a hook from
-      `p.register_post_accumulate_grad_hook`), start its all-reduce: zerolab.comm.all_reduce
-      with op="avg", async_op=True and the tag "ddp/bwd/<bucket name>". Backward goes on
-      meanwhile: that is the overlap.
-    - step() waits for every all-reduce, then steps the optimizer: every rank takes the same
-      step. Every trainable parameter gets a gradient in every backward.
-    - state_tensors(): every tensor this rank holds now, {"params", "grads", "optimizer"}: it is
-      how the grader measures memory.
+    - Each bucket is averaged over the ranks with zerolab.comm.all_reduce (op="avg", tag
+      "ddp/bwd/<bucket name>") while backward goes on with earlier layers. When to start it,
+      and when to wait for it, is yours to decide, within the targets below.
+    - Several backward passes may come before step() (gradient accumulation, without
+      no_sync): their gradients add up, and every rank steps with the average over the ranks
+      of the sum. Mind that zerolab.comm divides an "avg" when the handle is waited for.
+    - full_state_dict(): the model's full state_dict(), on every rank, as a snapshot: training
+      on must not change what it returned.
 
-    Measured, against zerolab.ddp.DDP on the same batches (SGD and AdamW, 1 to 3 ranks):
-    parameters after every step; model-state bytes after step() = 4Ψ + 4Ψ + 8Ψ (fp32 AdamW);
-    peak gradient bytes <= 4Ψ + 2 buckets; all_reduce during backward only; 2Ψ per step
-    (ring model: 2(N-1)/N of the gradients' bytes).
+    Measured, against zerolab.ddp.DDP on the same batches (1 to 3 ranks; SGD with one and
+    with two backward passes per step, AdamW with two): the parameters after every step; every
+    live tensor on the rank, counted by the grader (the rank's whole memory, not what your
+    engine says it holds), at the end of each forward and backward and after step() (at most
+    zerolab's + padding) and at the step's peak (at most zerolab's + one bucket); all_reduce
+    during backward only, none of them holding backward up, one per bucket, of its size and
+    in its order; 2Ψ per step (ring model: 2(N-1)/N of the gradients' bytes, per backward).
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
@@ -87,7 +92,7 @@ class DDPEngine:
         # END SOLUTION
 
     def _grad_ready(self, param: nn.Parameter) -> None:
-        """Exercise 1.3: A gradient is in: once its bucket is complete, start its all-reduce."""
+        """Exercise 1.3: A gradient is in: average its bucket over the ranks, if it is due."""
         # BEGIN SOLUTION
         i = self.bucket_of[param]
         self.ready[i] += 1
@@ -99,14 +104,27 @@ class DDPEngine:
         # END SOLUTION
 
     def __call__(self, *args, **kwargs):
+        """Exercise 1.3: The model's forward on this rank's rows.
+
+        Hint: the next backward adds into the flat buffers. In what state must they be then?
+        """
+        # BEGIN SOLUTION
+        self._wait()  # an all-reduce still in flight is summed but not yet divided
+        # END SOLUTION
         return self.module(*args, **kwargs)
 
-    def step(self) -> None:
-        """Exercise 1.3: Wait for every all-reduce, then step the optimizer."""
+    def _wait(self) -> None:
+        """Exercise 1.3: Wait for every all-reduce in flight."""
         # BEGIN SOLUTION
         for handle in self.handles:
-            handle.wait()
+            handle.wait()  # zerolab.comm divides an "avg" here
         self.handles.clear()
+        # END SOLUTION
+
+    def step(self) -> None:
+        """Exercise 1.3: Step the optimizer with the gradients averaged over the ranks."""
+        # BEGIN SOLUTION
+        self._wait()
         self.optimizer.step()
         # END SOLUTION
 
@@ -118,20 +136,7 @@ class DDPEngine:
         # END SOLUTION
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exercise 1.3: The model's full state_dict(), copied, on every rank."""
+        """Exercise 1.3: The model's full state_dict(), a snapshot, on every rank."""
         # BEGIN SOLUTION
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        # END SOLUTION
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Exercise 1.3: Every tensor this rank holds now: {"params", "grads", "optimizer"}.
-
-        Hint: the optimizer's state is `optimizer.state`: a dict per parameter, of tensors
-        (AdamW: exp_avg, exp_avg_sq, step).
-        """
-        # BEGIN SOLUTION
-        return {"params": list(self.module.parameters()),
-                "grads": list(self.flat_grads),
-                "optimizer": [t for state in self.optimizer.state.values()
-                              for t in state.values() if torch.is_tensor(t)]}
         # END SOLUTION

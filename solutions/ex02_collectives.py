@@ -38,22 +38,25 @@ def ring_reduce_scatter(tensor: torch.Tensor, rank: int, world_size: int,
                         group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Exercise 2.1: Reduce-scatter as a ring of sends and receives.
 
-    Inputs: tensor: (world_size * k,), different on every rank: world_size chunks of k.
-    Returns: (k,): chunk number `rank` summed over all ranks (what
-    dist.reduce_scatter_tensor gives this rank).
+    Inputs: tensor: (world_size * k,), different on every rank: world_size chunks of k; any
+    dtype, maybe not contiguous.
+    Returns: (k,) of tensor's dtype: chunk number `rank` summed over all ranks (what
+    dist.reduce_scatter_tensor gives this rank), in memory of its own holding just those k
+    elements (not a view of `tensor`, nor of a bigger working copy kept alive by it).
     Must: leave `tensor` unchanged; talk to the other ranks only through `ring_exchange`
     (one chunk to the next rank and one from the previous per call); send world_size - 1
     chunks in all: (N-1)/N of the tensor's bytes.
     Example (3 ranks; rank r holds chunks [(r+1)*1, (r+1)*2] ** (j+1), j = 0, 1, 2):
     rank 0 returns [6, 12], rank 1 [14, 56], rank 2 [36, 288].
-    Graded on: 1, 2 and 3 ranks, chunks of 1 to 3 elements: the result on every rank,
-    `tensor` afterwards, and the zerolab.comm ops called (send and recv only) and bytes sent.
+    Graded on: 1, 2 and 3 ranks, chunks of 1 to 3 elements, in float32, float64 and
+    bfloat16, and a non-contiguous view: the result on every rank and the memory behind it,
+    `tensor` afterwards, the zerolab.comm ops called (send and recv only) and bytes sent.
 
     Hint: draw 3 ranks and their 3 chunks. Which chunk must each rank send first so that,
     after N-1 steps, rank r holds the complete sum of chunk r?
     """
     # BEGIN SOLUTION
-    chunks = tensor.clone().chunk(world_size)
+    chunks = [c.clone() for c in tensor.chunk(world_size)]  # each a copy of its own
     for step in range(world_size - 1):
         send_index = (rank - step - 1) % world_size
         recv_index = (rank - step - 2) % world_size
@@ -69,14 +72,16 @@ def ring_all_gather(shard: torch.Tensor, rank: int, world_size: int,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Exercise 2.2: All-gather as a ring of sends and receives.
 
-    Inputs: shard: (k,), this rank's piece, different on every rank.
+    Inputs: shard: (k,), this rank's piece, different on every rank; any dtype, maybe not
+    contiguous.
     Returns: (world_size * k,) of the shard's dtype: every rank's shard in rank order (rank
     j's at elements j*k to (j+1)*k), the same on every rank (what
-    dist.all_gather_into_tensor gives).
+    dist.all_gather_into_tensor gives), in memory of its own (on one rank too: not `shard`).
     Must: leave `shard` unchanged; talk to the other ranks only through `ring_exchange`;
     send world_size - 1 shards in all: (N-1)/N of the output's bytes.
-    Graded on: 1, 2 and 3 ranks, shards of 1, 2, 3 (float64) and 5 elements: the result,
-    `shard` afterwards, and the zerolab.comm ops called (send and recv only) and bytes sent.
+    Graded on: 1, 2 and 3 ranks, shards of 1, 2, 3 and 5 elements, in float32, float64 and
+    bfloat16, and a non-contiguous view: the result and its memory, `shard` afterwards, and
+    the zerolab.comm ops called (send and recv only) and bytes sent.
 
     Hint: a rank may pass on a shard it has just received. Which one does it send first?
     """
@@ -97,16 +102,17 @@ def all_reduce_mean(tensor: torch.Tensor, rank: int, world_size: int,
                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Exercise 2.3: All-reduce = reduce-scatter + all-gather, for a tensor of any size.
 
-    Inputs: tensor: any shape, any numel (not always a multiple of world_size), different
-    on every rank.
-    Returns: a new tensor of the same shape and dtype: the mean over the ranks (what
-    all_reduce with an average gives).
+    Inputs: tensor: any shape, any numel (not always a multiple of world_size), any dtype,
+    maybe not contiguous; different on every rank.
+    Returns: a new tensor of the same shape and dtype (on one rank too: not `tensor`): the
+    mean over the ranks (what all_reduce with an average gives).
     Must: leave `tensor` unchanged; compute it with zerolab.comm.reduce_scatter followed by
     zerolab.comm.all_gather (with tags and `group`), each on world_size equal chunks, as
     small as they can be. That is the ring all-reduce: each rank sends 2(N-1)/N of the
     (padded) bytes, half in each collective.
-    Graded on: shapes (1,), (5, 3), (2 * world_size,), (2, 3, 4) and (5,) in float64, on 1, 2
-    and 3 ranks: the result, `tensor` afterwards, the ops called and the bytes sent.
+    Graded on: shapes (1,), (5, 3), (2 * world_size,), (2, 3, 4); (5, 3) in float64 and
+    bfloat16, and as a non-contiguous view; on 1, 2 and 3 ranks: the result and whether it
+    is the input's memory, `tensor` afterwards, the ops called and the bytes sent.
 
     Hint: both collectives need world_size equal chunks. What do you do when numel does not
     divide by world_size, and what do you undo at the end?

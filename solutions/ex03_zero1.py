@@ -19,8 +19,8 @@ from zerolab.sharding import FlatLayout, flatten, shard, unflatten
 def flat_shard(tensors: list[torch.Tensor], rank: int, world_size: int) -> torch.Tensor:
     """Exercise 3.1: This rank's shard of a group of tensors laid end to end and padded.
 
-    Inputs: tensors: any shapes, one dtype; numel = their elements together. rank,
-    world_size.
+    Inputs: tensors: any shapes, one dtype, maybe not contiguous; numel = their elements
+    together. rank, world_size.
     Returns: a new 1-D tensor of shard_numel = ceil(numel / world_size) elements, of the
     tensors' dtype: shard `rank` of the flat buffer (the tensors flattened and laid end to
     end, in order) padded with zeros at its end to world_size * shard_numel elements; shard
@@ -30,9 +30,9 @@ def flat_shard(tensors: list[torch.Tensor], rank: int, world_size: int) -> torch
     a view of an input, nor of a bigger buffer, which would keep all of it alive).
     Example: numels 6, 3 and 1 (numel 10) on 4 ranks: shard_numel 3; rank 0 gets elements
     0-2 and rank 3 gets [element 9, 0, 0].
-    Graded on: uneven groups (padded on 3 and 4 ranks), fewer elements than ranks, float32
-    and float64; every rank of 1 to 4: the shard, the memory behind it, the tensors
-    afterwards.
+    Graded on: uneven groups (padded on 3 and 4 ranks), fewer elements than ranks, float32,
+    float64, bfloat16 and non-contiguous tensors; every rank of 1 to 4: the shard, the memory
+    behind it, the tensors afterwards.
 
     Hint: how many zeros must the flat buffer get so that world_size shards are equal?
     """
@@ -55,7 +55,8 @@ def unflatten_shards(shards: list[torch.Tensor], shapes: list[torch.Size]) -> li
     Must: leave the shards unchanged.
     Example: shards [a0 a1 a2], [a3 a4 a5], [b0 b1 b2], [c0 0 0] and shapes (2, 3), (3,),
     (1,) give [[a0 a1 a2], [a3 a4 a5]], [b0 b1 b2], [c0].
-    Graded on: the groups of 3.1 on 1 to 4 ranks: every tensor, the shards afterwards.
+    Graded on: the groups of 3.1 on 1 to 4 ranks, one in float64: every tensor (values and
+    dtype), the shards afterwards.
 
     Hint: in the flat buffer, where does tensor i start?
     """
@@ -87,19 +88,19 @@ def zero1_sgd_step(params: list[torch.Tensor], grads: list[torch.Tensor],
     only this rank's shard of the optimizer state; talk to the other ranks through
     zerolab.comm (with tags and `group`), sending what ZeRO-1 sends: 2(N-1)/N of the padded
     flat buffer's bytes, as much as DDP's all-reduce.
-    Graded on: the groups of 3.1 on 1, 2 and 3 ranks: both outputs, the inputs afterwards,
-    the ops called and bytes sent.
+    Graded on: the groups of 3.1 on 1, 2 and 3 ranks, one in float64 (the outputs keep the
+    inputs' dtype): both outputs, the inputs afterwards, the ops called and bytes sent.
 
     Hint: a rank updates only its own shard. Which collective gives it just the averaged
     gradient of that shard, and which one brings the updated shards to everyone?
     """
     # BEGIN SOLUTION
     layout = FlatLayout.of(params, world_size)
-    grad = torch.empty(layout.shard_numel)
+    grad = torch.empty(layout.shard_numel, dtype=momentum.dtype)
     comm.reduce_scatter(grad, flatten(grads, layout), op="avg", tag="ex3.3/grads", group=group)
     momentum = beta * momentum + grad
     param_shard = shard(flatten(params, layout), layout, rank) - lr * momentum
-    flat_params = torch.empty(layout.padded_numel)
+    flat_params = torch.empty(layout.padded_numel, dtype=param_shard.dtype)
     comm.all_gather(flat_params, param_shard, tag="ex3.3/params", group=group)
     return unflatten(flat_params, layout), momentum
     # END SOLUTION

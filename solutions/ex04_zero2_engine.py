@@ -1,10 +1,12 @@
 """Exercise for notebook 04: the ZeRO-2 engine.
 
-The class runs on every rank at once: the grader spawns 1, 2 and 3 processes, builds the same
-model on each and trains it with your engine and with zerolab.zero2.ZeRO2 side by side. Talk to
-the other ranks only through zerolab.comm (it records every call, with its tag). Use
-zerolab.sharding (FlatLayout, flatten, unflatten, shard); not zerolab's engines.
+The class runs on every rank at once: the grader starts 1, 2 and 3 processes, builds the same
+model on each and trains it with your engine, then with zerolab.zero2.ZeRO2 on the same
+batches, and compares what they computed, held and sent. Talk to the other ranks only through
+zerolab.comm (it records every call, with its tag). Use zerolab.sharding (FlatLayout, flatten,
+unflatten, shard); not zerolab's engines.
 
+zerolab's own engine is in zerolab/zero2.py (on top of zero1.py): solve this first, then read it.
 Check your answer with `grade("4.2")` in the notebook, or `python -m zerolab.grade 4.2`.
 """
 
@@ -29,7 +31,7 @@ class ZeRO2Engine:
         engine.step()
         engine.zero_grad()
 
-    The contract (what the grader calls, and what it measures):
+    The contract (what the grader calls):
     - Every rank is given the same model (same seed): no need to broadcast it.
     - Buckets as in DDP (1.3): trainable parameters in reverse order, closed at `bucket_bytes`.
       Frozen parameters (requires_grad=False) stay as they are: no gradient, no optimizer
@@ -37,20 +39,24 @@ class ZeRO2Engine:
     - A bucket's parameters become views of one flat, padded buffer (FlatLayout.of(params,
       world_size)); rank r owns shard r of it, a *view* (not a copy): the optimizer steps only
       these shards, so its state is 1/N of the model's.
-    - During backward, when the last gradient of a bucket is accumulated: flatten the bucket's
-      gradients, free the full ones (p.grad = None), reduce-scatter with op="avg" (tag
-      "zero2/bwd/<bucket name>") and add the shard received into this rank's gradient shard.
-      So at most about two buckets of full gradients are ever alive.
-    - step() finishes the reduce-scatters, steps the optimizer on this rank's shards, then
-      all-gathers every bucket's shards into its flat buffer (tag "zero2/step/<bucket name>"):
-      every rank holds all the new parameters when step() returns.
-    - state_tensors(): every tensor this rank holds now, {"params", "grads", "optimizer"}: it is
-      how the grader measures memory (it adds every parameter and any .grad still alive).
+    - During backward, each bucket's gradient is reduce-scattered (op="avg", tag
+      "zero2/bwd/<bucket name>") into this rank's gradient shard, and the full gradients go:
+      how many full gradients, flattened or not, are alive at once is what ZeRO-2 saves, and
+      it is measured (below). Several backward passes may come before step(): the shards
+      add up.
+    - step() steps the optimizer on this rank's shards, then all-gathers every bucket's
+      shards into its flat buffer (tag "zero2/step/<bucket name>"): every rank holds all the
+      new parameters when step() returns.
+    - full_state_dict(): the model's full state_dict(), on every rank, as a snapshot.
 
-    Measured, against zerolab.zero2.ZeRO2 on the same batches (SGD and AdamW, 1 to 3 ranks):
-    parameters after every step; model-state bytes after step() = 4Ψ + 4Ψ/N + 8Ψ/N (fp32
-    AdamW, + padding); peak gradient bytes <= 4Ψ/N + 2 buckets; reduce_scatter during backward,
-    all_gather during step(); 2Ψ per step (ring model), as DDP.
+    Measured, against zerolab.zero2.ZeRO2 on the same batches (1 to 3 ranks; SGD with one and
+    with two backward passes per step, AdamW with two): the parameters after every step; every
+    live tensor on the rank, counted by the grader (not what your engine says it holds), at
+    the end of each forward and backward and after step() (at most zerolab's + padding: after
+    step() 4Ψ + 4Ψ/N + 8Ψ/N with fp32 AdamW) and at the step's peak (at most zerolab's + one
+    bucket: about 4Ψ/N + two buckets of gradients); reduce_scatter during backward, never
+    holding backward up, one per bucket, of its size and in its order; all_gather during
+    step(); 2Ψ per step (ring model), as DDP.
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
@@ -95,7 +101,11 @@ class ZeRO2Engine:
         # END SOLUTION
 
     def _grad_ready(self, param: nn.Parameter) -> None:
-        """Exercise 4.2: A gradient is in: once its bucket is complete, reduce-scatter it."""
+        """Exercise 4.2: A gradient is in: reduce its bucket into the shards, if it is due.
+
+        Hint: a reduce-scatter in flight still reads its input. What must stay alive until it
+        is done, and how many of those can be alive at once?
+        """
         # BEGIN SOLUTION
         i = self.bucket_of[param]
         self.ready[i] += 1
@@ -143,17 +153,7 @@ class ZeRO2Engine:
         # END SOLUTION
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exercise 4.2: The model's full state_dict(), copied, on every rank."""
+        """Exercise 4.2: The model's full state_dict(), a snapshot, on every rank."""
         # BEGIN SOLUTION
         return {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        # END SOLUTION
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Exercise 4.2: Every tensor this rank holds now: {"params", "grads", "optimizer"}."""
-        # BEGIN SOLUTION
-        return {"params": self.flat_params + list(self.module.parameters()),
-                "grads": [own.grad for own in self.shards]
-                + [p.grad for p in self.module.parameters() if p.grad is not None],
-                "optimizer": [t for state in self.optimizer.state.values()
-                              for t in state.values() if torch.is_tensor(t)]}
         # END SOLUTION

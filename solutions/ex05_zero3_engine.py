@@ -1,11 +1,12 @@
 """Exercise for notebook 05, the capstone: the ZeRO-3 engine (FSDP).
 
-The class runs on every rank at once: the grader spawns 1, 2 and 3 processes, builds the same
-model on each and trains it with your engine and with zerolab.zero3.ZeRO3 side by side. Talk to
-the other ranks only through zerolab.comm (it records every call, with its tag). Use
-zerolab.sharding (FlatLayout, flatten, unflatten, shard) and zerolab.units.make_units; not
-zerolab's engines.
+The class runs on every rank at once: the grader starts 1, 2 and 3 processes, builds the same
+model on each and trains it with your engine, then with zerolab.zero3.ZeRO3 on the same
+batches, and compares what they computed, held and sent. Talk to the other ranks only through
+zerolab.comm (it records every call, with its tag). Use zerolab.sharding (FlatLayout, flatten,
+unflatten, shard) and zerolab.units.make_units; not zerolab's engines.
 
+zerolab's own engine is in zerolab/zero3.py (on top of zero2.py): solve this first, then read it.
 Check your answer with `grade("5.3")` in the notebook, or `python -m zerolab.grade 5.3`.
 """
 
@@ -31,35 +32,37 @@ class ZeRO3Engine:
         engine.step()
         engine.zero_grad()
 
-    The contract (what the grader calls, and what it measures):
+    The contract (what the grader calls):
     - Every rank is given the same model (same seed): no need to broadcast it.
     - Units: `make_units(model, units)` (zerolab.units) lists them in running order, the root
       last (the model itself: embeddings, final LayerNorm, and the weight the output head
       shares with the token embedding). Each unit's trainable parameters go in one flat,
       padded buffer, its frozen ones (requires_grad=False) in another: frozen parameters are
       sharded and gathered too, but get no gradient and no optimizer state.
-    - At rest a rank keeps only its shard of each buffer, in a tensor of its own; the full
-      buffer's storage is resized to 0 (`untyped_storage().resize_(0)`): that frees the memory
-      even where autograd saved a view of a parameter for backward.
+    - At rest a rank keeps only its shard of each buffer, in a tensor of its own.
     - unshard(unit) before the unit's forward and again before its backward (a hook on the
       unit's output tensors): all-gather its shards into the full buffers (tags
       "zero3/fwd/<unit name>" and "zero3/bwd/<unit name>") and point the parameters at them.
-      reshard(unit) right after its forward and after its backward: free the full buffers.
       The root is gathered from the start to the end of the model's forward, and again for
       its backward. Gathering the next unit ahead (prefetch) is allowed, not required.
-    - After a unit's backward (its last gradient accumulated): flatten its gradients, free
-      them, reduce-scatter with op="avg" (tag "zero3/bwd/<unit name>") into this rank's
-      gradient shard, and reshard the unit.
+    - reshard(unit) right after its forward and after its backward frees the unit's full
+      parameters. Freed means the memory is gone, measured (below), whoever still points at
+      it: autograd keeps views of a unit's parameters from its forward until its backward.
+    - After a unit's backward, its gradients are reduce-scattered (op="avg", tag
+      "zero3/bwd/<unit name>") into this rank's gradient shard, and the full ones go. Several
+      backward passes may come before step(): the shards add up.
     - step() steps the optimizer on this rank's shards; nothing is gathered after it.
-    - full_state_dict() gathers every unit (a collective: every rank calls it).
-    - state_tensors(): every tensor this rank holds now, {"params", "grads", "optimizer"}: it is
-      how the grader measures memory (it adds every parameter and any .grad still alive).
+    - full_state_dict() gathers every unit (a collective: every rank calls it) and returns a
+      snapshot of the full state_dict().
 
-    Measured, against zerolab.zero3.ZeRO3 on the same batches (SGD and AdamW, 1 to 3 ranks):
-    parameters after every step; model-state bytes after step() = 16Ψ/N (fp32 AdamW,
-    + padding); peak parameter bytes <= 4Ψ/N + the root + 2 units (gradients likewise);
-    all_gather in forward, all_gather and reduce_scatter in backward, nothing in step();
-    3Ψ per step (ring model), 1.5x DDP's.
+    Measured, against zerolab.zero3.ZeRO3 (without prefetch) on the same batches (1 to 3
+    ranks; SGD with one and with two backward passes per step, AdamW with two): the
+    parameters after every step; every live tensor on the rank, counted by the grader (not
+    what your engine says it holds), at the end of each forward and backward and after step()
+    (at most zerolab's + padding: after step() 16Ψ/N with fp32 AdamW, frozen layers sharded
+    too) and at the step's peak (at most zerolab's + one unit); all_gather in forward,
+    all_gather and reduce_scatter in backward, one per unit and buffer, in running order,
+    nothing in step(); 3Ψ per step (ring model), 1.5x DDP's.
     """
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
@@ -119,7 +122,11 @@ class ZeRO3Engine:
         # END SOLUTION
 
     def reshard(self, unit: Unit) -> None:
-        """Exercise 5.3: Free the unit's full parameters: only this rank's shards remain."""
+        """Exercise 5.3: Free the unit's full parameters: only this rank's shards remain.
+
+        Hint: notebook 05 and exercise 5.2: which of storage, tensor and reference frees the
+        memory while autograd still holds views of the parameters?
+        """
         # BEGIN SOLUTION
         for g in self.groups[unit.name]:
             for p in g["params"]:
@@ -171,7 +178,7 @@ class ZeRO3Engine:
         # END SOLUTION
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Exercise 5.3: The model's full state_dict(), copied, on every rank (a collective)."""
+        """Exercise 5.3: The model's full state_dict(), a snapshot, on every rank (collective)."""
         # BEGIN SOLUTION
         for unit in self.units:
             self.unshard(unit, "state_dict")
@@ -179,14 +186,4 @@ class ZeRO3Engine:
         for unit in self.units:
             self.reshard(unit)
         return state
-        # END SOLUTION
-
-    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Exercise 5.3: Every tensor this rank holds now: {"params", "grads", "optimizer"}."""
-        # BEGIN SOLUTION
-        groups = [g for gs in self.groups.values() for g in gs]
-        return {"params": [t for g in groups for t in (g["shard"], g["flat"])],
-                "grads": [g["shard"].grad for g in groups if g["shard"].grad is not None],
-                "optimizer": [t for state in self.optimizer.state.values()
-                              for t in state.values() if torch.is_tensor(t)]}
         # END SOLUTION

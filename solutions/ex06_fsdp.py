@@ -31,8 +31,9 @@ def dim0_shard(param: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     holds.
     Must: leave param unchanged.
     Example: 10 rows on 4 ranks: 3, 3, 3 and 1 rows. 2 rows on 3 ranks: 1, 1 and 0 rows.
-    Graded on: shapes (10, 3), (2, 4), (7,), (1,), (6, 2) on every rank of 1 to 4: the rows,
-    the memory behind them, param afterwards.
+    Graded on: shapes (10, 3), (2, 4), (7,), (1,), (6, 2) on every rank of 1 to 4, and (10, 3)
+    in float64, in bfloat16 and as a non-contiguous view on 3 ranks: the rows (values and
+    dtype), the memory behind them, param afterwards.
 
     Hint: where does rank r's first row sit, and what if that is past the last row?
     """
@@ -54,13 +55,16 @@ def full_state_dict(shards: dict[str, torch.Tensor], rows: dict[str, int], rank:
     6.1 (the last ranks may hold fewer rows, or none). rows: name -> the full parameter's
     number of rows.
     Returns: name -> the full parameter, (rows, *rest) of the shard's dtype, the same on
-    every rank: what saving a checkpoint needs (FSDP2: get_model_state_dict with
-    full_state_dict=True).
+    every rank, in memory of its own (on one rank too: not the shard): what saving a
+    checkpoint needs (FSDP2: get_model_state_dict with full_state_dict=True).
     Must: leave the shards unchanged; talk to the other ranks through zerolab.comm (tags,
-    `group`); every rank must issue the same collectives, with the same sizes, in the same
-    order.
+    `group`), sending what the rows need: (N-1)/N of each padded full tensor's bytes; every
+    rank must issue the same collectives, with the same sizes, in the same order (the ranks
+    are processes started one by one: they hash strings differently).
     Graded on: a small model (the last ranks hold fewer rows, or none) and a (5, 2, 2)
-    float64 parameter, on 1, 2 and 3 ranks: every full tensor, the shards afterwards.
+    float64 parameter, on 1, 2 and 3 ranks: every full tensor and whether it is a shard's
+    memory, the shards afterwards, the ops called and bytes sent, and whether every rank
+    issued the same collectives.
 
     Hint: a collective needs the same size on every rank. What can the ranks holding fewer
     rows do about it?

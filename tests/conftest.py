@@ -4,7 +4,6 @@ read (one launch each, started by whichever of those files runs first)."""
 from pathlib import Path
 
 import pytest
-from patches import build_folder
 from workers import lessons as lesson_workers
 from workers import nodes as node_workers
 
@@ -12,29 +11,6 @@ import zerolab
 from zerolab import grading
 
 TESTS = Path(__file__).resolve().parent
-
-
-@pytest.fixture(scope="session")
-def wrong_root(tmp_path_factory) -> Path:
-    """tests/grading_wrong and tests/grading_wrong_engines as learners' folders would hold them
-    (<root>/grading_wrong/v1/ex02_collectives.py, ...): their files copied, and each diff
-    against solutions/ applied to the solution (see tests/patches.py)."""
-    root = tmp_path_factory.mktemp("wrong")
-    for name in ("grading_wrong", "grading_wrong_engines"):
-        build_folder(TESTS / name, root / name, TESTS.parent / "solutions")
-    return root
-
-
-@pytest.fixture(scope="session")
-def wrong_answers(wrong_root) -> Path:
-    """The plain and ranks exercises' wrong answers: <folder>/v1, v2, v3, v4, hang."""
-    return wrong_root / "grading_wrong"
-
-
-@pytest.fixture(scope="session")
-def wrong_engines(wrong_root) -> Path:
-    """The engine exercises' wrong (and rightly different) engines."""
-    return wrong_root / "grading_wrong_engines"
 
 
 @pytest.fixture

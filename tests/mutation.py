@@ -12,16 +12,15 @@ in EQUIVALENT below, with why).
 
 Run by hand (minutes; not in CI, which runs a small sample through tests/test_grading.py):
 
-    .venv/bin/python tests/mutation.py                # every function exercise
+    .venv/bin/python tests/mutation.py                # every exercise, the engines too
     .venv/bin/python tests/mutation.py 2.1 7.1        # some exercises
     .venv/bin/python tests/mutation.py --list 3.1     # the mutants, without grading
     .venv/bin/python tests/mutation.py --sample 5     # 5 mutants per exercise, seeded
 
-Mutants are graded in batches, each in a child process (a mutant that crashes the process,
-e.g. reading a freed storage, kills its batch: the batch is split and run again, and a
-mutant that crashes alone counts as killed); the distributed exercises of a batch share one
-launch per world size (zerolab.grading.grade_files). Exit status 1 when the killed share of
-the non-equivalent mutants is under 90%.
+Mutants are graded in batches (zerolab.grading.grade_files: one run per world size for a
+whole batch). A mutant's code runs in the grader's processes of its own, so one that crashes,
+hangs or exits costs its batch a run started again, never the tool. Exit status 1 when the
+killed share of the non-equivalent mutants is under 97%.
 """
 
 from __future__ import annotations
@@ -32,7 +31,6 @@ import copy
 import json
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -51,6 +49,16 @@ EQUIVALENT: dict[tuple[str, str], str] = {
         "the device defaults to the CPU, where the grader (and these exercises) run",
     ("7.1", "return math.floor(memory_bytes // per_param)"):
         "a // b is floor(a / b) already, also for floats: flooring it again changes nothing",
+    ("9.1", "replicas = world_size / node_size"):
+        "world_size is a multiple of node_size (the contract): / and // give the same number",
+    ("9.2", "padded = torch.zeros(blocks * block)"):
+        "torch.zeros makes float32 by default, the dtype the keyword named",
+    ("9.2", "values = torch.round(rows / torch.where(scales >= 0, scales, 1.0)[:, None])"):
+        "only a block of zeros has scale 0: it divides 0 by 0, and the NaN it makes becomes 0 "
+        "in int8 on this CPU (torch leaves that conversion undefined): the same values",
+    ("9.2", "values = torch.round(rows / torch.where(scales > -1, scales, 1.0)[:, None])"):
+        "as `scales >= 0`: scales are never negative, so this divides a block of zeros by 0 "
+        "too, and its NaNs become 0 in int8 on this CPU",
 }
 
 
@@ -62,7 +70,7 @@ class Mutant:
     before: str  # the statement it changes, as source
     after: str  # the statement after the change
     block: str  # the whole mutated block, indented as in the file
-    status: str = ""  # killed / survived / crashed (killed) / error
+    status: str = ""  # killed / survived / not attempted / error
     detail: str = ""  # how the grader caught it
 
     @property
@@ -232,42 +240,6 @@ def write_mutant(mutant: Mutant, folder: Path, stubs: dict[str, str]) -> Path:
 # ---- grading them ---------------------------------------------------------------------------
 
 
-def _grade_batch(mutants: list[Mutant], workdir: Path, timeout: float) -> None:
-    """Grade a batch in a child process; set each mutant's status. A batch whose process dies
-    is split in two and run again; a lone mutant that kills it counts as killed."""
-    batch = workdir / f"batch-{mutants[0].exercise}-{mutants[0].number}.json"
-    batch.write_text(json.dumps([[m.exercise, str(workdir / f"{m.exercise}-{m.number}")]
-                                 for m in mutants]))
-    proc = subprocess.run([sys.executable, __file__, "--child", str(batch),
-                           "--timeout", str(timeout)], capture_output=True, text=True)
-    results = batch.with_suffix(".out")
-    if proc.returncode == 0 and results.exists():
-        for m, (status, detail) in zip(mutants, json.loads(results.read_text())):
-            m.status = {"wrong": "killed", "passed": "survived"}.get(status, status)
-            m.detail = detail
-        return
-    if proc.returncode >= 0:  # a Python error in the tool or the grader, not a mutant's crash
-        raise RuntimeError(f"grading a batch failed:\n{proc.stdout}{proc.stderr}")
-    if len(mutants) == 1:
-        m = mutants[0]
-        m.status, m.detail = "killed", f"crashed the grading process ({proc.returncode})"
-        return
-    half = len(mutants) // 2
-    _grade_batch(mutants[:half], workdir, timeout)
-    _grade_batch(mutants[half:], workdir, timeout)
-
-
-def _child(batch: Path, timeout: float) -> None:
-    from zerolab.grading import grade_files
-
-    items = []
-    for ex_id, folder in json.loads(batch.read_text()):
-        items.append((ex_id, Path(folder) / f"{EXERCISES[ex_id].module}.py"))
-    results = grade_files(items, timeout=timeout)
-    out = [[r.status, r.mistake or r.output or r.message[:60]] for r in results]
-    batch.with_suffix(".out").write_text(json.dumps(out))
-
-
 def run(ids: list[str], sample: int | None, timeout: float, batch_size: int) -> list[Mutant]:
     mutants = [m for i in ids for m in mutants_of(i)]
     if sample is not None:
@@ -277,14 +249,18 @@ def run(ids: list[str], sample: int | None, timeout: float, batch_size: int) -> 
                                               min(sample, sum(m.exercise == i
                                                               for m in mutants))),
                                    key=lambda m: m.number)]
+    from zerolab.grading import grade_files
+
     stubs = generated_exercises()
     workdir = Path(tempfile.mkdtemp(prefix="zerolab-mutants-"))
     try:
-        for m in mutants:
-            write_mutant(m, workdir / f"{m.exercise}-{m.number}", stubs)
+        paths = [write_mutant(m, workdir / f"{m.exercise}-{m.number}", stubs) for m in mutants]
         for start in range(0, len(mutants), batch_size):
-            chunk = mutants[start:start + batch_size]
-            _grade_batch(chunk, workdir, timeout)
+            chunk = list(zip(mutants, paths))[start:start + batch_size]
+            results = grade_files([(m.exercise, path) for m, path in chunk], timeout=timeout)
+            for (m, _), r in zip(chunk, results):
+                m.status = {"wrong": "killed", "passed": "survived"}.get(r.status, r.status)
+                m.detail = r.mistake or r.output or r.message[:60]
             print(f"  graded {start + len(chunk)} of {len(mutants)}", file=sys.stderr)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -321,16 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ids", nargs="*", help="exercise ids (default: every function one)")
     parser.add_argument("--sample", type=int, help="grade this many mutants per exercise")
-    parser.add_argument("--timeout", type=float, default=10.0, help="seconds per case")
-    parser.add_argument("--batch", type=int, default=40, help="mutants per child process")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds per case")
+    parser.add_argument("--batch", type=int, default=200, help="mutants graded together")
     parser.add_argument("--list", action="store_true", help="list the mutants, do not grade")
     parser.add_argument("--json", help="also write every mutant's outcome to this file")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child:
-        _child(Path(args.child), args.timeout)
-        return 0
-    ids = args.ids or [i for i, ex in EXERCISES.items() if ex.kind != "engine"]
+    ids = args.ids or list(EXERCISES)
     if args.list:
         for m in (m for i in ids for m in mutants_of(i)):
             print(f"{m.exercise} #{m.number} {m.kind}: {m.before}  ->  {m.after}")
@@ -339,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     share = report(mutants)
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(m) for m in mutants], indent=1))
-    return 0 if share >= 0.9 else 1
+    return 0 if share >= 0.97 else 1
 
 
 if __name__ == "__main__":

@@ -4,16 +4,20 @@ The wrong answers the grader's tests use are kept as small diffs against solutio
 and a little context), not as whole copies of the solution: a reader sees the bug at once, and
 a change to a solution reaches every wrong answer built from it. Each hunk's old lines must
 appear exactly once in the text; line numbers are not used.
+
+`answers(folder, dest, solutions)` turns a folder of such diffs, one learner's answer each
+(`2.1-off-by-one.diff`: exercise 2.1, against the solution file its `---` line names), into
+learners' files: dest/<name>/<module>.py.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 # A hunk header: "@@ -12,7 +12,8 @@", maybe followed by the function it is in (git diff).
 _HUNK = re.compile(r"^@@ -\d+(?:,\d+)? \+\d+(?:,\d+)? @@.*\n", re.M)
+_SOURCE = re.compile(r"^--- (?:a/)?solutions/(\w+)\.py", re.M)
 
 
 def apply_diff(text: str, diff: str) -> str:
@@ -38,22 +42,24 @@ def apply_diff(text: str, diff: str) -> str:
     return text
 
 
-def build_folder(source: Path, dest: Path, solutions: Path) -> Path:
-    """A copy of `source`'s folders at `dest`, each `<module>.diff` in them replaced by
-    `<module>.py`: solutions/<module>.py with the diff applied. Other files are copied."""
+def answers(source: Path, dest: Path, solutions: Path) -> dict[str, Path]:
+    """Each `<name>.diff` in `source` (a diff against solutions/<module>.py) as a learner's
+    file dest/<name>/<module>.py; name -> that file, sorted by name."""
     if not source.is_dir():
-        raise FileNotFoundError(f"no folder of wrong answers at {source}")
-    for path in sorted(source.rglob("*")):
-        if path.is_dir() or path.suffix == ".md":
-            continue
-        target = dest / path.relative_to(source)
+        raise FileNotFoundError(f"no folder of answers at {source}")
+    made = {}
+    for path in sorted(source.glob("*.diff")):
+        diff = path.read_text()
+        found = _SOURCE.search(diff)
+        if found is None:
+            raise ValueError(f"{path}: no '--- solutions/<module>.py' line")
+        module = found[1]
+        try:
+            text = apply_diff((solutions / f"{module}.py").read_text(), diff)
+        except ValueError as e:
+            raise ValueError(f"{path} does not fit solutions/{module}.py: {e}") from e
+        target = dest / path.stem / f"{module}.py"
         target.parent.mkdir(parents=True, exist_ok=True)
-        if path.suffix == ".diff":
-            solution = (solutions / f"{path.stem}.py").read_text()
-            try:
-                target.with_suffix(".py").write_text(apply_diff(solution, path.read_text()))
-            except ValueError as e:
-                raise ValueError(f"{path} does not fit solutions/{path.stem}.py: {e}") from e
-        else:
-            shutil.copyfile(path, target)
-    return dest
+        target.write_text(text)
+        made[path.stem] = target
+    return made

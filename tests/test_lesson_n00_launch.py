@@ -47,3 +47,40 @@ def test_fail_on_is_reported_by_rank_and_leaves_nothing_running():
     assert str(info.value).splitlines()[0] == (
         "rank 2 raised ValueError: rank 2 found a NaN in its batch")
     assert multiprocessing.active_children() == []
+
+
+def test_ranks_hash_strings_as_separate_pythons_do():
+    """Notebook 00's hang section prints this: each rank salts str hashes with its own seed, as
+    torchrun's ranks (new Pythons) do, unless the caller fixed PYTHONHASHSEED for all of them."""
+    import os
+
+    hashes = zerolab.launch(n00_launch.string_hash, world_size=3)
+    if "PYTHONHASHSEED" in os.environ:
+        assert len(set(hashes)) == 1
+    else:
+        assert len(set(hashes)) == 3
+
+
+def test_where_they_parted_keeps_the_last_line_without_the_racy_verbs():
+    verdict = ("Where each rank was (from its flight recorder):\n  rank 0 died, ...\n"
+               "The ranks' collectives first differ at #1: rank 0 died in all_gather #1 (40 B); "
+               "rank 1 failed in all_gather #1 (32 B): the ranks called all_gather with "
+               "different sizes at #1.")
+    assert n00_launch.where_they_parted(verdict) == (
+        "The ranks' collectives first differ at #1: rank 0 at all_gather #1 (40 B); rank 1 at "
+        "all_gather #1 (32 B): the ranks called all_gather with different sizes at #1.")
+    for verb in ("waits in", "called", "issued"):
+        assert n00_launch.where_they_parted(f"rank 2 {verb} x #4") == "rank 2 at x #4"
+    skipped = "rank 1 never issued #3: it returned: rank 1 skipped all_reduce #3"
+    assert n00_launch.where_they_parted(skipped) == skipped
+
+
+def test_a_deadlocks_headline_loses_its_measured_seconds():
+    """The launcher's own message (zerolab/launcher/diagnose.py) with a measured 1.1 s in it."""
+    from zerolab.launcher.diagnose import hang_error
+
+    head = str(hang_error([0, 1], 120.0, True, 1.1, "where each rank was")).splitlines()[0]
+    assert "1.1s" in head
+    assert n00_launch._SECONDS.sub("", head) == (
+        "ranks [0, 1] were stopped: they wait on each other in collectives that can never "
+        "complete.")

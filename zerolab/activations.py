@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from zerolab.memory import SavedForBackward, _storage_key
+from zerolab.memory import SavedForBackward
+from zerolab.parts.storages import storage_key
 
 EMBEDDINGS, HEAD = "embeddings", "head"  # owners before the first block and after the last
 
@@ -79,7 +80,7 @@ class record_saved:  # noqa: N801 (a context manager used like a function)
 
     def __init__(self, model: nn.Module):
         self.blocks = list(getattr(model, "blocks", []))
-        self.param_keys = {_storage_key(p) for p in model.parameters()}
+        self.param_keys = {storage_key(p) for p in model.parameters()}
         self.owner = EMBEDDINGS  # who is running now
         # storage -> (owner, bytes, shape, dtype) of its first save. Not the tensor itself:
         # holding it here would keep it alive after backward frees it.
@@ -90,7 +91,7 @@ class record_saved:  # noqa: N801 (a context manager used like a function)
         self._handles: list[Any] = []
 
     def _on_save(self, t: torch.Tensor) -> None:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key is None or key in self.param_keys or key in self.first:
             return
         self.first[key] = (self.owner, t.untyped_storage().nbytes(), tuple(t.shape),
@@ -99,7 +100,7 @@ class record_saved:  # noqa: N801 (a context manager used like a function)
     def _enter_block(self, name: str, args: tuple) -> None:
         self.owner = name
         for a in args:
-            if isinstance(a, torch.Tensor) and (key := _storage_key(a)) is not None:
+            if isinstance(a, torch.Tensor) and (key := storage_key(a)) is not None:
                 self.block_inputs.setdefault(key, name)
 
     def __enter__(self) -> record_saved:
@@ -131,7 +132,7 @@ class record_saved:  # noqa: N801 (a context manager used like a function)
                     continue
                 value = getattr(node, attr)
                 for t in value if isinstance(value, (tuple, list)) else (value,):
-                    if isinstance(t, torch.Tensor) and (key := _storage_key(t)) in self.first:
+                    if isinstance(t, torch.Tensor) and (key := storage_key(t)) in self.first:
                         name = f"{type(node).__name__}.{attr.removeprefix('_saved_')}"
                         self.savers.setdefault(key, []).append(name)
 

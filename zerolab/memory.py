@@ -48,41 +48,15 @@ from torch.optim.optimizer import (
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 from zerolab.parts.nest import tensors_in
+from zerolab.parts.storages import (  # noqa: F401 (zerolab.memory's public names)
+    CATEGORIES,
+    StateTensors,
+    distinct_bytes,
+    model_state_bytes,
+    storage_key,
+)
 
-CATEGORIES = ("params", "grads", "optimizer")  # the model states
 ACTIVATIONS = "activations"  # optional category: storages autograd saved for backward
-StateTensors = dict[str, Iterable[torch.Tensor]]
-
-
-def _storage_key(t: torch.Tensor) -> tuple | None:
-    if t.is_meta:  # a shape without memory (a model built on the meta device)
-        return None
-    storage = t.untyped_storage()
-    if storage.nbytes() == 0:
-        return None
-    return (storage.device.type, storage.device.index, storage.data_ptr())
-
-
-def distinct_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> int:
-    """Bytes of the distinct storages behind `tensors` (each storage counted once).
-
-    `seen` carries the storages already counted elsewhere, so that one storage shared by two
-    categories is counted in the first only.
-    """
-    seen = set() if seen is None else seen
-    total = 0
-    for t in tensors:
-        key = _storage_key(t)
-        if key is not None and key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
-def model_state_bytes(state: StateTensors) -> dict[str, int]:
-    """{"params": .., "grads": .., "optimizer": ..} bytes for the tensors in `state`."""
-    seen: set = set()
-    return {c: distinct_bytes(state.get(c, ()), seen) for c in CATEGORIES}
 
 
 def module_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> StateTensors:

@@ -45,6 +45,7 @@ class ZeRO2(ZeRO1):
 
     def _shard_model(self) -> None:
         super()._shard_model()
+        self._views.clear()  # DDP's .grad views into flat_grad would keep every one alive (4Ψ)
         for b in self.buckets:
             b.flat_grad = None  # no full gradient buffer: autograd allocates .grad per backward
             for p in b.params:

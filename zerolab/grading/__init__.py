@@ -8,37 +8,60 @@ In a notebook cell:
     hint("3.1")                       # one more hint at each call; hint("3.1", all_levels=True)
 
 From a shell: `python -m zerolab.grade [NAME ...] [--path FOLDER]` (exit status 1 if any
-exercise is wrong). NAME is a file (ex03, ex03_zero1), an exercise id (3.1) or a function name;
-`--list` lists the exercises and their kind (plain, ranks, engine); `--hints 3.1` prints
-every hint of an exercise.
+exercise is wrong, 0 when every one graded passed or was not attempted). NAME is a file
+(ex03, ex03_zero1), an exercise id (3.1) or a function name; `--list` lists the exercises and
+their kind (plain, ranks, engine); `--hints 3.1` prints every hint of an exercise.
 
-How an exercise is graded: the learner's function and the solution run on the same inputs
-(several cases: uneven sizes, sizes smaller than the world size, the source article's examples)
-and their outputs are compared, then the arguments the contract says to leave unchanged. A
-distributed exercise runs on ranks spawned by zerolab.launch, on 1, 2 and 3 ranks, one launch
-per world size for all the distributed exercises being graded; each rank compares its own
-outputs, and also which zerolab.comm collectives were called and the bytes they sent. Plain
-exercises run in this process.
+How an exercise is graded. The learner's code never runs in the grader's process: each file is
+imported and called in processes of their own (worker.py), rank r of every run forked from a
+host with its own string-hashing seed (hosts.py), as separately started processes have. Those
+processes first run the references (a distributed exercise's solution, an engine exercise's
+zerolab engine) and hand their results over before any learner code is loaded; then they run
+the learner's code on the same inputs and send back what it returned and what the grader
+measured there, as data (data.py): outputs, the arguments it changed, the zerolab.comm
+collectives it issued and their bytes (written down as issued: flight.py), and, for an engine,
+every live storage of the rank from before the model was built (zerolab.memory's tracker over
+the whole process, sorted by the grader's own categories: engine_memory.py). The comparison,
+and the naming of mistakes, happen here (check.py, engine_verdict.py), out of the learner's
+reach; a learner's file that replaces a function of torch, zerolab or the grader is reported
+(tamper.py). Time is kept and the processes are killed from outside (session.py): a timeout,
+an exit, a crash or a flood of output is a wrong verdict that says what happened.
 
-Verdicts: passed / not attempted (the stub's NotImplementedError) / wrong, with where (world
-size, rank, case), what (which output: expected against got, shape and max error), the
-learner's own traceback lines when it raised (or, for a rank killed by a signal, the likely
-cause), the kind of mistake when the grader recognises it, and a hint: that kind's, else the
-exercise's general one.
+Plain exercises run on one process, distributed ones on 1, 2 and 3 ranks, one run per world
+size for all the files being graded; a file found wrong is not run again, and its remaining
+cases are skipped as soon as one is found wrong.
+
+Verdicts: passed / not attempted (the untouched stub, told from its text without running it) /
+wrong, with where (world size, rank, case), what (which output: expected against got, shape
+and max error; for an engine, which step, what was held and when, which collectives), the
+learner's own traceback lines when it raised, what it printed when it was stopped, the kind of
+mistake when the grader recognises it, and a hint: that kind's, else the exercise's general one.
 
 The modules, one job each:
 
     registry     the table of exercises (EXERCISES) and `select`
     cases_NN     notebook NN's exercises: their cases, hints, known mistakes and outputs
-    exercise     the Exercise, Case and Args records
-    inputs       seeded inputs the cases share
+    exercise     the Exercise, Case and Args records; how a returned tensor's memory is told
+    inputs       seeded inputs the cases share (dtypes, non-contiguous views, uneven shapes)
     mistakes     kinds of mistakes, and the tests that recognise them
     compare      comparing outputs, and saying how they differ
     storage      snapshots of inputs, storages behind outputs, bytes held
-    check        checking one case (in this process, or on a rank)
-    runner       plain exercises here, distributed ones on spawned ranks; verdicts
-    ranks        what each rank runs: watchdog, and agreement between ranks
-    crashes      a rank killed by a signal: which, and the likely cause
+    data         outputs as data, to and from the learner's processes
+    call         calling a function exercise on a case, and measuring what it did
+    kinds        what differs between function and engine exercises, in one place
+    check        judging a function exercise's case, here
+    engine_model the engine exercises' model, cases, stages and allowances
+    engine_run   one engine case, run and measured in the learner's process
+    engine_memory what a rank holds at each moment of the measured step, and at its peak
+    engine_mistakes  the engine exercises' mistakes, by finding and by stage
+    engine_verdict   judging an engine case, here
+    worker       what each learner's process does
+    hosts        the processes learner code runs in, and killing them
+    session      one run, watched from here: timeouts, exits, crashes, floods
+    runner       the runs of a grading, and a verdict per file
+    flight       each rank's collectives as issued, compared across ranks
+    crashes      a run that stopped early, explained
+    tamper       replaced functions of torch, zerolab and the grader, seen
     report       Result and Report, and their messages
     grader       `grade`, `grade_files` and `load`
     hints        `hint`: an exercise's hints, a level at a time
@@ -56,6 +79,7 @@ from zerolab.grading.defaults import (
     DEFAULT_WORLD_SIZES,
     EXERCISES_DIR,
     GRACE,
+    OUTPUT_LIMIT,
     REPO,
     SOLUTIONS_DIR,
     STARTUP_ALLOWANCE,
@@ -78,7 +102,8 @@ from zerolab.grading.report import Report, Result
 
 __all__ = [
     "BEGIN", "DEFAULT_TIMEOUT", "DEFAULT_WORLD_SIZES", "END", "EXERCISES", "EXERCISES_DIR",
-    "GRACE", "REPO", "SHAPE_GROUPS", "SOLUTIONS_DIR", "STAGES", "STARTUP_ALLOWANCE",
+    "GRACE", "OUTPUT_LIMIT", "REPO", "SHAPE_GROUPS", "SOLUTIONS_DIR", "STAGES",
+    "STARTUP_ALLOWANCE",
     "Args", "BadReturn", "Case", "Evidence", "Exercise", "Mistake", "Report", "Result",
     "check_exercises", "exercise_source", "generated_exercises", "grade", "grade_files", "hint",
     "hint_levels", "load", "main", "make_exercises", "select",

@@ -62,12 +62,38 @@ def _cases_1_2() -> list[Case]:
         return ([torch.zeros(4, dtype=torch.float16), torch.zeros(4, dtype=torch.int64),
                  torch.zeros(2, 2)],)
 
+    def non_contiguous(rank: int) -> tuple:
+        flat = torch.zeros(12)
+        return ([flat.view(3, 4).t(), flat[::3], torch.zeros(6, 2)[:, 0]],)
+
+    def other_dtype(rank: int) -> tuple:
+        flat = torch.zeros(6, dtype=torch.float64)
+        return ([flat.view(torch.int32), flat[2:4], torch.zeros(3, dtype=torch.bfloat16)],)
+
     return [Case("a (12,) buffer and three row views of it", views),
             Case("a tied weight listed twice", tied),
             Case("a (2,) slice of a (100,) tensor", small_slice),
             Case("a freed storage and a float64 tensor", freed),
             Case("parameters as views of one flat buffer, gradients apart", zero1_like),
-            Case("float16, int64 and float32 tensors", dtypes)]
+            Case("float16, int64 and float32 tensors", dtypes),
+            Case("non-contiguous views: a transpose, a strided slice, a column", non_contiguous),
+            Case("a float64 buffer seen as int32, a slice of it, a bfloat16 tensor",
+                 other_dtype)]
+
+
+def _formula(ev: Evidence, whole: bool = False, fp32: bool = False) -> dict[str, float]:
+    """1.1 with integer division (whole bytes), or with the fp32 byte counts whatever the
+    arguments say."""
+    num_params, n, stage, p, g, k = ev.inputs()
+    if fp32:
+        p, g, k = 4, 4, 8
+    level = STAGES.index(stage)
+
+    def part(nbytes: float, sharded: bool) -> float:
+        total = nbytes * num_params
+        return (total // n if whole else total / n) if sharded else total
+    return {"params": part(p, level >= 3), "grads": part(g, level >= 2),
+            "optimizer": part(k, level >= 1)}
 
 
 def _counted(key: str, size: str) -> Callable[[Evidence], int]:
@@ -86,6 +112,18 @@ def _counted(key: str, size: str) -> Callable[[Evidence], int]:
     return count
 
 
+def _contiguous_copies(ev: Evidence) -> int:
+    """1.2 counted on .contiguous() copies: a non-contiguous view costs its elements."""
+    seen, total = set(), 0
+    for t in ev.inputs()[0]:
+        if not t.is_contiguous():
+            total += t.numel() * t.element_size()
+        elif t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
 EXERCISES = [
     Exercise("1.1", "ex01_memory", "model_state_bytes",
              "model-state bytes per rank for DDP and ZeRO-1/2/3, from the formulas",
@@ -96,7 +134,14 @@ EXERCISES = [
              hints=("STAGES.index(stage), 0 to 3, counts how many of the three categories are "
                     "sharded, in the order optimizer state, gradients, parameters: divide "
                     "those by N.",),
-             mistakes=(_other_stage(1), _other_stage(-1))),
+             mistakes=(_other_stage(1), _other_stage(-1),
+                       Mistake("whole bytes: integer division",
+                               "Ψ/N need not be whole: divide with /, not //, and return "
+                               "floats.", matches(lambda ev: _formula(ev, whole=True))),
+                       Mistake("the bytes per parameter ignored",
+                               "Use the param_bytes, grad_bytes and optimizer_bytes you are "
+                               "given: mixed precision is 2, 2 and 12.",
+                               matches(lambda ev: _formula(ev, fp32=True))))),
     Exercise("1.2", "ex01_memory", "distinct_storage_bytes",
              "measuring memory: count each storage once (views, tied weights, freed storage)",
              "Count storages, not tensors: two tensors share one when their "
@@ -106,6 +151,11 @@ EXERCISES = [
              hints=("Keep a set of the storages' data_ptr() seen so far, and add nbytes() only "
                     "for a storage not seen yet.",),
              mistakes=(
+                 Mistake("a non-contiguous view copied before counting",
+                         ".contiguous() (and .reshape, .flatten) copy a non-contiguous view: "
+                         "the copy's storage is not the one the view keeps alive. Read "
+                         "t.untyped_storage() of the tensor itself.",
+                         matches(_contiguous_copies)),
                  Mistake("the elements a tensor shows counted, not its whole storage",
                          "A view keeps its whole storage alive, and a freed storage holds 0 "
                          "bytes: count t.untyped_storage().nbytes(), not "

@@ -7,8 +7,13 @@ import itertools
 
 import torch
 
-from zerolab.grading.exercise import Case, Exercise
-from zerolab.grading.inputs import _gen, _ints
+from zerolab.grading.exercise import (
+    Case,
+    Exercise,
+    _new_memory_outputs,
+    _own_memory_outputs,
+)
+from zerolab.grading.inputs import _gen, _ints, non_contiguous
 from zerolab.grading.mistakes import (
     DTYPE_LOST,
     Evidence,
@@ -17,12 +22,22 @@ from zerolab.grading.mistakes import (
     any_of,
     bytes_times,
     matches,
+    memory_mistakes,
     over_world_size,
     padding_kept,
     times_world_size,
     used_any_of,
     used_instead,
 )
+
+# Other kinds of input: (label, dtype, contiguous). Small integers are exact in bfloat16 too.
+_KINDS = (("float64", torch.float64, True), ("bfloat16", torch.bfloat16, True),
+          ("a non-contiguous view", torch.float32, False))
+
+
+def _kind(t: torch.Tensor, dtype: torch.dtype, contiguous: bool) -> torch.Tensor:
+    t = t.to(dtype)
+    return t if contiguous else non_contiguous(t)
 
 
 def _cases_2_1(n: int) -> list[Case]:
@@ -35,22 +50,26 @@ def _cases_2_1(n: int) -> list[Case]:
     for k in (1, 3):
         cases.append(Case(f"random integers, {n} chunks of {k}",
                           lambda rank, k=k: (_ints(_gen("2.1", k, rank), n * k),)))
-    return cases
+    return cases + [Case(f"random integers, {n} chunks of 2, {label}",
+                         lambda rank, d=dtype, c=contiguous: (
+                             _kind(_ints(_gen("2.1", 2, rank), n * 2), d, c),))
+                    for label, dtype, contiguous in _KINDS]
 
 
 def _cases_2_2(n: int) -> list[Case]:
-    return [Case(f"shards of {k}{', float64' if dtype == torch.float64 else ''}",
-                 lambda rank, k=k, dtype=dtype: (
-                     torch.randn(k, generator=_gen("2.2", k, rank), dtype=dtype),))
-            for k, dtype in ((1, torch.float32), (2, torch.float32), (5, torch.float32),
-                             (3, torch.float64))]
+    cases = [Case(f"shards of {k}", lambda rank, k=k: (torch.randn(k, generator=_gen(
+                 "2.2", k, rank)),)) for k in (1, 2, 5)]
+    return cases + [Case(f"shards of 3, {label}", lambda rank, d=dtype, c=contiguous: (
+                    _kind(_ints(_gen("2.2", 3, rank), 3), d, c),))
+                    for label, dtype, contiguous in _KINDS]
 
 
 def _cases_2_3(n: int) -> list[Case]:
     cases = [Case(f"shape {shape}", lambda rank, s=shape: (_ints(_gen("2.3", s, rank), *s),))
              for shape in ((1,), (5, 3), (2 * n,), (2, 3, 4))]
-    return cases + [Case("shape (5,), float64",
-                         lambda rank: (_ints(_gen("2.3", "f64", rank), 5).double(),))]
+    return cases + [Case(f"shape (5, 3), {label}", lambda rank, d=dtype, c=contiguous, k=label: (
+                    _kind(_ints(_gen("2.3", k, rank), 5, 3), d, c),))
+                    for label, dtype, contiguous in _KINDS]
 
 
 # ---- what the grader can tell apart ------------------------------------------------------------
@@ -120,7 +139,7 @@ EXERCISES = [
              "adds the chunk it receives into its own copy of that chunk; work on a copy of "
              "`tensor`. Choose the first chunk so that chunk r's complete sum lands on rank r "
              "at the last step.",
-             _cases_2_1, distributed=True, comm_checked=True,
+             _cases_2_1, distributed=True, comm_checked=True, outputs=_own_memory_outputs,
              hints=("At step s, rank r sends chunk (r - s - 1) % N and adds what it receives "
                     "into chunk (r - s - 2) % N. Receive into a fresh buffer "
                     "(torch.empty_like) and add it; tensor.clone().chunk(N) gives views of one "
@@ -144,14 +163,14 @@ EXERCISES = [
                          "tensor.chunk() and tensor.view() share the caller's memory: adding "
                          "into them changes `tensor`. Clone it first.",
                          output="input tensor"),
-                 *_RING_ONLY),
+                 DTYPE_LOST, *memory_mistakes("the chunk"), *_RING_ONLY),
              read_only=("tensor",)),
     Exercise("2.2", "ex02_collectives", "ring_all_gather",
              "all-gather as a ring of send/recv",
              "Put your own shard in its place first; then at each step send the shard you "
              "received last (your own at the first step) and receive the next one straight "
              "into its place in the output. Try it on paper for 3 ranks.",
-             _cases_2_2, distributed=True, comm_checked=True,
+             _cases_2_2, distributed=True, comm_checked=True, outputs=_own_memory_outputs,
              hints=("out = torch.empty(N * k); chunks = out.chunk(N) are views into it; "
                     "chunks[rank].copy_(shard); at step s send chunk (r - s) % N and receive "
                     "into chunk (r - s - 1) % N.",),
@@ -163,20 +182,24 @@ EXERCISES = [
                          "The shard received at step s comes from rank (r - s - 1) % N: put "
                          "it in that rank's place, not in the next free one.",
                          _shards_misplaced),
-                 DTYPE_LOST, *_RING_ONLY),
+                 DTYPE_LOST, *memory_mistakes("the gathered tensor"), *_RING_ONLY),
              read_only=("shard",)),
     Exercise("2.3", "ex02_collectives", "all_reduce_mean",
              "all-reduce = reduce-scatter + all-gather, with padding for any size",
              "Flatten, pad with zeros to world_size * ceil(numel / world_size) elements, "
              "reduce-scatter with op='avg', all-gather the shards, then strip the padding and "
              "restore the shape.",
-             _cases_2_3, distributed=True, comm_checked=True,
+             _cases_2_3, distributed=True, comm_checked=True, outputs=_new_memory_outputs,
              hints=("With k = ceil(numel / world_size): comm.reduce_scatter(mine, padded, "
                     "op='avg', tag=..., group=group) reads padded (N*k,) and fills mine (k,); "
                     "comm.all_gather(full, mine, tag=..., group=group) fills full (N*k,); "
                     "return full[:numel].view(tensor.shape).",),
              mistakes=(
                  DTYPE_LOST,
+                 Mistake("the input itself returned",
+                         "Return a new tensor: at N = 1 the mean is the input's values, but "
+                         "the caller's tensor is not the result (the caller may change it).",
+                         lambda ev: ev.got == "a view of an input", output="memory"),
                  Mistake("a sum, not the mean (N times too big)",
                          "The mean, not the sum: pass op='avg' to the reduce-scatter.",
                          times_world_size),

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from zerolab.grading.exercise import Case, Exercise, _own_memory_outputs, _tuple_outputs
-from zerolab.grading.inputs import SHAPE_GROUPS, _gen, _ints, _shards, _tensors
+from zerolab.grading.inputs import SHAPE_GROUPS, _gen, _ints, _shards, _tensors, non_contiguous
 from zerolab.grading.mistakes import (
     DTYPE_LOST,
     Evidence,
@@ -29,33 +29,40 @@ def _cases_3_1() -> list[Case]:
     cases = [Case(f"{name}, world_size {n}, rank {r}",
                   lambda rank, name=name, s=shapes, r=r, n=n: (_tensors(("3.1", name), s), r, n))
              for name, shapes in SHAPE_GROUPS.items() for n in (1, 2, 3, 4) for r in range(n)]
-    shapes = SHAPE_GROUPS["numels 6, 3, 1"]
-    return cases + [Case(f"numels 6, 3, 1 in float64, world_size 4, rank {r}",
-                         lambda rank, r=r: ([t.double() for t in _tensors(("3.1", "f64"), shapes)],
-                                            r, 4))
-                    for r in range(4)]
+    shapes = SHAPE_GROUPS["shapes (2, 3), (5,)"]
+    kinds = {"in float64": lambda t: t.double(), "in bfloat16": lambda t: t.bfloat16(),
+             "as non-contiguous views": non_contiguous}
+    return cases + [Case(f"shapes (2, 3), (5,) {kind}, world_size 4, rank {r}",
+                         lambda rank, r=r, f=f: ([f(t) for t in _tensors(("3.1", "f64"), shapes)],
+                                                 r, 4))
+                    for kind, f in kinds.items() for r in range(4)]
 
 
 def _cases_3_2() -> list[Case]:
-    def make(name: str, n: int) -> Callable[[int], tuple]:
+    def make(name: str, n: int, dtype: torch.dtype = torch.float32) -> Callable[[int], tuple]:
         shapes = SHAPE_GROUPS[name]
-        return lambda rank: (_shards(_tensors(("3.2", name), shapes), n),
+        return lambda rank: (_shards([t.to(dtype) for t in _tensors(("3.2", name), shapes)], n),
                              [torch.Size(s) for s in shapes])
     return [Case(f"{name}, world_size {n}", make(name, n))
-            for name in SHAPE_GROUPS for n in (1, 2, 3, 4)]
+            for name in SHAPE_GROUPS for n in (1, 2, 3, 4)] + [
+        Case("numels 6, 3, 1 in float64, world_size 3", make("numels 6, 3, 1", 3,
+                                                             torch.float64))]
 
 
 def _cases_3_3(n: int) -> list[Case]:
-    def make(name: str) -> Callable[[int], tuple]:
+    def make(name: str, dtype: torch.dtype = torch.float32) -> Callable[[int], tuple]:
         shapes = SHAPE_GROUPS[name]
 
         def args(rank: int) -> tuple:
-            params = _tensors(("3.3", name), shapes)  # the same on every rank
-            grads = [_ints(_gen("3.3", name, rank, i), *s) for i, s in enumerate(shapes)]
-            momentum = _ints(_gen("3.3", name, rank), FlatLayout.of(params, n).shard_numel)
+            params = [t.to(dtype) for t in _tensors(("3.3", name), shapes)]  # same everywhere
+            grads = [_ints(_gen("3.3", name, rank, i), *s).to(dtype)
+                     for i, s in enumerate(shapes)]
+            momentum = _ints(_gen("3.3", name, rank),
+                             FlatLayout.of(params, n).shard_numel).to(dtype)
             return params, grads, momentum, 0.1, 0.9
         return args
-    return [Case(name, make(name)) for name in SHAPE_GROUPS]
+    return [Case(name, make(name)) for name in SHAPE_GROUPS] + [
+        Case("numels 6, 3, 1 in float64", make("numels 6, 3, 1", torch.float64))]
 
 
 # ---- what the grader can tell apart ------------------------------------------------------------
@@ -125,11 +132,16 @@ EXERCISES = [
                          matches(lambda ev: _cut_shards(ev, offsets_move=False))),
                  Mistake("the padding taken to be at the front", _PADDING_AT_END,
                          matches(lambda ev: _cut_shards(ev, padding_in_front=True))),
+                 Mistake("a tensor not in its shape",
+                         "Give each tensor its shape: flat[offset:offset + numel].view(shape).",
+                         element(lambda ev: ev.got.shape != ev.expected.shape
+                                 and ev.got.numel() == ev.expected.numel(), first_difference)),
                  Mistake("a tensor of the wrong size",
                          "Each tensor has exactly its shape's numel elements "
                          "(torch.Size(shape).numel()), the padding none.",
                          element(lambda ev: ev.got.numel() != ev.expected.numel(),
-                                 first_difference))),
+                                 first_difference)),
+                 DTYPE_LOST),
              read_only=("shards",)),
     Exercise("3.3", "ex03_zero1", "zero1_sgd_step",
              "the ZeRO-1 step: reduce-scatter gradients, update own shard, all-gather params",
@@ -161,6 +173,11 @@ EXERCISES = [
                  Mistake("the momentum changed in place",
                          "Return the new momentum shard as a new tensor (momentum = beta * "
                          "momentum + grad): the contract leaves `momentum` unchanged.",
-                         output="input momentum")),
+                         output="input momentum"),
+                 DTYPE_LOST,
+                 Mistake("a float32 buffer for float64 data",
+                         "The gradient's reduce-scatter needs an output of the gradients' "
+                         "dtype: torch.empty makes float32 unless you pass dtype=.",
+                         lambda ev: "float64" in ev.case, signal="SIGABRT")),
              read_only=("params", "grads", "momentum")),
 ]

@@ -5,27 +5,34 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from zerolab.grading.exercise import Case, Exercise
-from zerolab.grading.inputs import SHAPE_GROUPS, _gen, _ints, _tensors
-from zerolab.grading.mistakes import Evidence, Mistake, _same, matches, used_instead
+from zerolab.grading.inputs import SHAPE_GROUPS, _gen, _ints, _tensors, non_contiguous
+from zerolab.grading.mistakes import DTYPE_LOST, Evidence, Mistake, _same, matches, used_instead
 from zerolab.sharding import FlatLayout
 
 
 def _cases_4_1(n: int) -> list[Case]:
-    def make(name: str) -> Callable[[int], tuple]:
+    def make(name: str, dtype: torch.dtype = torch.float32,
+             contiguous: bool = True) -> Callable[[int], tuple]:
         shapes = SHAPE_GROUPS[name]
 
         def args(rank: int) -> tuple:
-            params = [nn.Parameter(t) for t in _tensors(("4.1", name), shapes)]
+            params = [nn.Parameter(t.to(dtype)) for t in _tensors(("4.1", name), shapes)]
             for i, p in enumerate(params):
-                p.grad = _ints(_gen("4.1", name, rank, i), *p.shape)
-            grad_shard = _ints(_gen("4.1", name, rank), FlatLayout.of(params, n).shard_numel)
+                grad = _ints(_gen("4.1", name, rank, i), *p.shape).to(dtype)
+                p.grad = grad if contiguous else non_contiguous(grad)
+            grad_shard = _ints(_gen("4.1", name, rank),
+                               FlatLayout.of(params, n).shard_numel).to(dtype)
             return params, grad_shard
         return args
     return [Case(f"{name}, grad_shard already holding a micro-batch", make(name))
-            for name in SHAPE_GROUPS]
+            for name in SHAPE_GROUPS] + [
+        Case("numels 6, 3, 1 in float64", make("numels 6, 3, 1", torch.float64)),
+        Case("shapes (2, 3), (5,), the gradients non-contiguous views",
+             make("shapes (2, 3), (5,)", contiguous=False))]
 
 
 def _outputs_4_1(result: Any, args: tuple) -> dict[str, Any]:
@@ -70,6 +77,7 @@ EXERCISES = [
                  Mistake("an all-reduce where a reduce-scatter belongs",
                          "A rank keeps only its shard of the gradient: a reduce-scatter gives "
                          "it just that, with half the bytes of an all-reduce.",
-                         used_instead("all_reduce", "reduce_scatter"), output="comm ops")),
+                         used_instead("all_reduce", "reduce_scatter"), output="comm ops"),
+                 DTYPE_LOST),
              read_only=("params",)),
 ]

@@ -11,7 +11,7 @@ from torch import nn
 from zerolab.grading.exercise import Args, BadReturn, Case, Exercise
 from zerolab.grading.inputs import SHAPE_GROUPS, _shards, _tensors
 from zerolab.grading.mistakes import DTYPE_LOST, Evidence, Mistake, cut, matches
-from zerolab.grading.storage import _held_bytes, _storage_id, _storage_sizes
+from zerolab.grading.storage import _held_bytes, _shares_memory, _storage_id, _storage_sizes
 from zerolab.sharding import FlatLayout, flatten
 
 
@@ -21,14 +21,18 @@ def _cases_5_1(n: int) -> list[Case]:
         tensors = [t.to(dtype) for t in _tensors(("5.1", name), shapes)]
         return lambda rank: (_shards(tensors, n)[rank], [torch.Size(s) for s in shapes])
     return [Case(name, make(name, torch.float32)) for name in SHAPE_GROUPS] + [
-        Case("numels 6, 3, 1 in float64", make("numels 6, 3, 1", torch.float64))]
+        Case("numels 6, 3, 1 in float64", make("numels 6, 3, 1", torch.float64)),
+        Case("shapes (2, 3), (5,) in bfloat16", make("shapes (2, 3), (5,)", torch.bfloat16))]
 
 
 def _outputs_5_1(result: Any, args: tuple) -> dict[str, Any]:
     if not isinstance(result, (list, tuple)) or not all(
             isinstance(t, torch.Tensor) for t in result):
         raise BadReturn(f"expected a list of tensors, got {type(result).__name__}")
-    return {"result": list(result), "storages (bytes each)": _storage_sizes(list(result))}
+    shared = any(_shares_memory(t, [args[0]]) for t in result)
+    return {"result": list(result),
+            "memory": "views of local_shard" if shared else "not local_shard's memory",
+            "storages (bytes each)": _storage_sizes(list(result))}
 
 
 def _gathered(ev: Evidence, **wrong: bool) -> list[torch.Tensor]:
@@ -70,7 +74,7 @@ def _outputs_5_2(result: Any, args: Args) -> dict[str, Any]:
 
 
 def _flat_replaced(ev: Evidence) -> bool:
-    return _storage_id(ev.args[1].untyped_storage()) != ev.args.kept["storage"]
+    return "another storage" in ev.got_outputs["flat_param's shape and storage"]
 
 
 _SHRINK = ("Shrink the storage itself, flat_param.untyped_storage().resize_(0): every view of "
@@ -97,6 +101,11 @@ EXERCISES = [
                          "each parameter's numel.",
                          matches(lambda ev: _gathered(ev, offsets_move=False))),
                  DTYPE_LOST,
+                 Mistake("views of local_shard itself",
+                         "Gather into a new buffer, on one rank too: at N = 1 the gathered "
+                         "buffer has local_shard's size, but viewing local_shard means that "
+                         "reshard (5.2), which frees the gathered buffer, frees this rank's own "
+                         "shard.", lambda ev: ev.got == "views of local_shard", output="memory"),
                  Mistake("copies, not views of one buffer",
                          "The tensors are copies (clone, cat, a new tensor each): return views "
                          "into the one gathered buffer (flat[a:b].view(shape)), or reshard "

@@ -4,11 +4,12 @@ from such shards on ranks."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from zerolab.grading.exercise import Case, Exercise, _own_memory_outputs
-from zerolab.grading.inputs import _gen
+from zerolab.grading.exercise import BadReturn, Case, Exercise, _own_memory_outputs
+from zerolab.grading.inputs import _gen, non_contiguous
 from zerolab.grading.mistakes import (
     DTYPE_LOST,
     Evidence,
@@ -19,7 +20,9 @@ from zerolab.grading.mistakes import (
     memory_mistakes,
     neighbour_rank,
     padding_kept,
+    used_instead,
 )
+from zerolab.grading.storage import _shares_memory
 
 
 def _dim0_rows(rows: int, rank: int, n: int) -> tuple[int, int]:
@@ -30,9 +33,15 @@ def _dim0_rows(rows: int, rank: int, n: int) -> tuple[int, int]:
 
 def _cases_6_1() -> list[Case]:
     shapes = ((10, 3), (2, 4), (7,), (1,), (6, 2))
-    return [Case(f"shape {s}, world_size {n}, rank {r}",
-                 lambda rank, s=s, r=r, n=n: (torch.randn(s, generator=_gen("6.1", s)), r, n))
-            for s in shapes for n in (1, 2, 3, 4) for r in range(n)]
+    cases = [Case(f"shape {s}, world_size {n}, rank {r}",
+                  lambda rank, s=s, r=r, n=n: (torch.randn(s, generator=_gen("6.1", s)), r, n))
+             for s in shapes for n in (1, 2, 3, 4) for r in range(n)]
+    kinds = {"float64": lambda t: t.double(), "bfloat16": lambda t: t.bfloat16(),
+             "a non-contiguous view": non_contiguous}
+    return cases + [Case(f"shape (10, 3), {kind}, world_size 3, rank {r}",
+                         lambda rank, r=r, f=f: (f(torch.randn(10, 3, generator=_gen("6.1", 10))),
+                                                 r, 3))
+                    for kind, f in kinds.items() for r in range(3)]
 
 
 def _cases_6_2(n: int) -> list[Case]:
@@ -52,6 +61,16 @@ def _cases_6_2(n: int) -> list[Case]:
             return shards, {k: len(t) for k, t in full.items()}
         return args
     return [Case(name, make(name)) for name in models]
+
+
+def _outputs_6_2(result: Any, args: tuple) -> dict[str, Any]:
+    """The full tensors, and the names of those that live in a shard's memory (a shortcut
+    on one rank: the shards themselves returned)."""
+    if not isinstance(result, dict):
+        raise BadReturn(f"expected a dict of tensors, got {type(result).__name__}")
+    shared = sorted(k for k, v in result.items()
+                    if isinstance(v, torch.Tensor) and _shares_memory(v, list(args[0].values())))
+    return {"result": result, "in a shard's memory": shared}
 
 
 # ---- what the grader can tell apart ------------------------------------------------------------
@@ -110,13 +129,13 @@ EXERCISES = [
                  Mistake("off by one rank: a neighbour's rows",
                          "You returned a neighbour's rows: rank r's rows start at "
                          "r * ceil(rows / world_size).", neighbour_rank(1)),
-                 *memory_mistakes("the rows")),
+                 DTYPE_LOST, *memory_mistakes("the rows")),
              read_only=("param",)),
     Exercise("6.2", "ex06_fsdp", "full_state_dict",
              "consolidating a full state dict from dim-0 shards (uneven all-gather)",
              "Pad each shard with zero rows at its end to ceil(rows / world_size) rows, gather, "
              "then keep the first `rows` rows.",
-             _cases_6_2, distributed=True,
+             _cases_6_2, distributed=True, comm_checked=True, outputs=_outputs_6_2,
              hints=("padded = torch.zeros(rows_per_rank, *rest); padded[:len(shard)] = shard; "
                     "comm.all_gather(out, padded.reshape(-1), tag=..., group=group) with out = "
                     "torch.empty(world_size * padded.numel()); then out.view(world_size * "
@@ -133,6 +152,16 @@ EXERCISES = [
                  DTYPE_LOST,
                  Mistake("the padding rows kept",
                          "Drop the padding rows: keep the first `rows` rows of the gathered "
-                         "tensor.", element(padding_kept, first_difference))),
+                         "tensor.", element(padding_kept, first_difference)),
+                 Mistake("an all-reduce where an all-gather belongs",
+                         "Each rank contributes different rows: an all-gather of padded "
+                         "shards moves them, (N-1)/N of the full tensor's bytes. An all-reduce "
+                         "of zero-filled full tensors gives the same values for twice the "
+                         "bytes.", used_instead("all_reduce", "all_gather"), output="comm ops"),
+                 Mistake("the shards themselves returned",
+                         "A full state dict is saved while training goes on: return new "
+                         "tensors (on one rank the shard holds every row, but it is the "
+                         "model's live memory: copy it).",
+                         lambda ev: bool(ev.got), output="in a shard's memory")),
              read_only=("shards",)),
 ]

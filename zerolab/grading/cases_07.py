@@ -66,13 +66,12 @@ EXERCISES = [
              hints=("per_param = p / (N if ZeRO-3) + g / (N if ZeRO-2 or 3) + k / (N if "
                     "ZeRO-1, 2 or 3); return math.floor(memory_bytes / per_param).",),
              mistakes=(
-                 Mistake("rounded to the nearest whole number, not down",
+                 Mistake("rounded up or to the nearest, not down",
                          "A model of 18.75 parameters' worth of memory holds 18, not 19: round "
-                         "down (math.floor); round() can give a model that does not fit.",
-                         matches(lambda ev: _params_that_fit(ev, whole=round))),
-                 Mistake("rounded up",
-                         "Round down (math.floor): rounding up gives a model that does not "
-                         "fit.", matches(lambda ev: _params_that_fit(ev, whole=math.ceil))),
+                         "down (math.floor); round() and math.ceil can give a model that does "
+                         "not fit.",
+                         any_of(matches(lambda ev: _params_that_fit(ev, whole=round)),
+                                matches(lambda ev: _params_that_fit(ev, whole=math.ceil)))),
                  Mistake("a fraction of a parameter",
                          "Return a whole number of parameters: round the quotient down.",
                          matches(lambda ev: _params_that_fit(ev, whole=float))),

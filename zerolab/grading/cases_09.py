@@ -9,7 +9,7 @@ import torch
 
 from zerolab.grading.exercise import Case, Exercise, _tuple_outputs
 from zerolab.grading.inputs import _fixed, _gen
-from zerolab.grading.mistakes import Evidence, Mistake, matches
+from zerolab.grading.mistakes import DTYPE_LOST, Evidence, Mistake, matches
 from zerolab.parts.quantize import quantize_int8
 
 # (N, ranks per node): one rank, one node, a rank per node, notebook 09's 2x2, nodes of 3,
@@ -189,6 +189,11 @@ EXERCISES = [
                          matches(lambda ev: _scales_per_element(ev, tiled=True))),
                  Mistake("divided by the scale",
                          "Quantising divided by the scale; going back multiplies by it.",
-                         matches(lambda ev: _scales_per_element(ev, divide=True)))),
+                         matches(lambda ev: _scales_per_element(ev, divide=True))),
+                 Mistake("the scales repeated past the last element",
+                         "The last block may be shorter: cut the repeated scales to n "
+                         "elements ([:values.numel()]).",
+                         lambda ev: "must match the size" in ev.got, output="raised"),
+                 DTYPE_LOST),
              read_only=("values", "scales")),
 ]

@@ -1,36 +1,44 @@
-"""Checking one case: import a file by path, run the solution then the learner's function on
-the same fresh inputs, and compare: the outputs (and, for a distributed exercise, the
-zerolab.comm ops called and bytes sent), then the arguments the contract says to leave
-unchanged. A difference is explained by the exercise's known mistakes where one fits. The
-same code runs in this process (plain exercises) and on each spawned rank (distributed ones).
+"""Judging one case of a function exercise, in the grader's process: every rank's outputs
+against the reference's, then the arguments the contract says to leave unchanged, and (on
+ranks) whether every rank issued the same collectives. A difference is explained by the
+exercise's known mistakes where one fits.
+
+What is compared is data (zerolab.grading.data): the learner's function ran in a process of its
+own (worker.py) and sent back what it returned. Also here: importing a file by path, and the
+learner's own lines of a traceback, which the learner's processes use.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import os
 import sys
 import traceback
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch.distributed as dist
-
-from zerolab import comm
+from zerolab.grading import flight
 from zerolab.grading.compare import _compare
-from zerolab.grading.exercise import BadReturn, Case, Exercise
-from zerolab.grading.mistakes import Evidence, Mistake, _diagnose, input_changed_hint
-from zerolab.grading.storage import _snapshot, _what_changed
+from zerolab.grading.exercise import Case, Exercise
+from zerolab.grading.mistakes import (
+    COLLECTIVES_DIFFER,
+    COLLECTIVES_REORDERED,
+    DTYPES_MIXED,
+    NON_CONTIGUOUS_VIEW,
+    Evidence,
+    Mistake,
+    _diagnose,
+    input_changed_hint,
+)
 
 
-def _load_module(path: Path) -> ModuleType:
-    """Import a file by path, under a name of its own (a learner's copy never clashes)."""
-    name = f"_zerolab_graded_{zlib.crc32(str(path).encode()):08x}_{path.stem}"
+def _load_module(path: Path, prefix: str = "_zerolab_graded") -> ModuleType:
+    """Import a file by path, under a name of its own (a learner's copy never clashes; nor,
+    with another prefix, the same file imported as a learner's and as a solution)."""
+    name = f"{prefix}_{zlib.crc32(str(path).encode()):08x}_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot import {path}")
@@ -56,90 +64,70 @@ def _learner_traceback(e: BaseException, learner_file: str) -> str:
     return "".join(traceback.format_list(frames) + traceback.format_exception_only(type(e), e))
 
 
-@dataclass
-class _Call:
-    """One call of a function on a case: its named outputs, and the read-only arguments it
-    changed (name -> how)."""
-
-    outputs: dict[str, Any]
-    changed: dict[str, str]
-    args: tuple
-
-
-def _run(ex: Exercise, fn: Callable, case: Case, rank: int, world_size: int,
-         group: dist.ProcessGroup | None, watched: dict[str, int]) -> _Call:
-    """Call `fn` on the case's fresh arguments; its named outputs, and what it changed among
-    the `watched` arguments (name -> position)."""
-    args = case.make(rank)
-    before = {name: _snapshot(args[i]) for name, i in watched.items()}
-    if not ex.distributed:
-        outputs = ex.outputs(fn(*args), args)
-    else:
-        with comm.record_comm(group=group, align=False) as log:
-            result = fn(*args, rank, world_size, group)
-        outputs = ex.outputs(result, args)
-        if ex.comm_checked:
-            outputs["comm ops"] = sorted({e.op for e in log.events})
-            outputs["bytes sent"] = log.total_ring_bytes()
-    changed = {name: why for name, i in watched.items()
-               if (why := _what_changed(before[name], args[i])) is not None}
-    return _Call(outputs, changed, args)
-
-
-def _watched(ex: Exercise, solution: Callable) -> dict[str, int]:
-    """The exercise's read-only arguments, by name -> position in the solution's signature."""
-    names = list(inspect.signature(solution).parameters)
-    return {name: names.index(name) for name in ex.read_only}
-
-
-def _wrong(output: str, message: str, mistake: Mistake | None) -> dict[str, Any]:
-    record = {"status": "wrong", "output": output, "message": message}
+def _wrong(output: str, message: str, mistake: Mistake | None, **where: Any) -> dict[str, Any]:
+    record = {"status": "wrong", "output": output, "message": message, **where}
     if mistake is not None:
         record.update(mistake=mistake.kind, hint=mistake.hint)
     return record
 
 
-def _check_case(ex: Exercise, learner: tuple[str, Callable], solution: Callable, case: Case,
-                rank: int = 0, world_size: int = 1,
-                group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-    """Run the solution, then the learner, on the same inputs. A record: status and details
-    (for a wrong answer: which output, how it differs, and the kind of mistake if known)."""
-    learner_file, learner_fn = learner
-    watched = _watched(ex, solution)
-    try:
-        expected = _run(ex, solution, case, rank, world_size, group, watched)
-        if expected.changed:
-            raise AssertionError(f"the solution changed {expected.changed}")
-    except Exception:
-        return {"status": "error", "message": "the solution raised (a bug in the grader)",
-                "traceback": traceback.format_exc()}
-    try:
-        got = _run(ex, learner_fn, case, rank, world_size, group, watched)
-    except BadReturn as e:
-        return {"status": "wrong", "output": "return value", "message": str(e)}
-    except Exception as e:
-        if _is_stub(e):
-            return {"status": "stub"}
-        message = f"{type(e).__name__}: {e}"
-        record = {"status": "raised", "message": message,
-                  "traceback": _learner_traceback(e, learner_file)}
-        evidence = Evidence("raised", None, message, expected.outputs, {}, rank, world_size,
-                            case.make, None if ex.distributed else solution)
-        if (mistake := _diagnose(ex.mistakes, evidence)) is not None:
-            record.update(mistake=mistake.kind, hint=mistake.hint)
-        return record
-    for name, value in expected.outputs.items():
-        why = _compare(value, got.outputs[name])
-        if why is not None:
-            if name in ("comm ops", "bytes sent"):
-                why += " (the grader sees what goes through zerolab.comm)"
-            evidence = Evidence(name, value, got.outputs[name], expected.outputs, got.outputs,
-                                rank, world_size, case.make,
-                                None if ex.distributed else solution, got.args)
-            return _wrong(name, why, _diagnose(ex.mistakes, evidence))
-    for name, why in got.changed.items():
+def judge_case(ex: Exercise, case: Case, world_size: int, expected: list[dict],
+               got: list[dict], solution: Callable | None) -> dict[str, Any]:
+    """The verdict on one case that returned on every rank. expected, got: per rank, what
+    call.call measured. solution: a plain exercise's solution, to try other inputs."""
+    if world_size > 1 and (cross := _collectives(expected, got)) is not None:
+        return cross
+    for rank in range(world_size):
+        found = _judge_rank(ex, case, rank, world_size, expected[rank], got[rank], solution)
+        if found is not None:
+            return {**found, "rank": rank}
+    return {"status": "passed"}
+
+
+def _collectives(expected: list[dict], got: list[dict]) -> dict[str, Any] | None:
+    """Every rank issued the same collectives with the same sizes, in the same order, and
+    sent and received data of the dtypes the reference did."""
+    per_rank = [g.get("collectives", []) for g in got]
+    difference = flight.first_difference(per_rank, finished=True)
+    if difference is not None:
+        reordered = flight.reordered(per_rank) or difference.tags_differ
+        mistake = COLLECTIVES_REORDERED if reordered else COLLECTIVES_DIFFER
+        return _wrong("collectives", difference.describe(), mistake, rank=None)
+    want = flight.dtypes([e.get("collectives", []) for e in expected])
+    have = flight.dtypes(per_rank)
+    if len(have) > 1 and len(want) <= 1:
+        return _wrong("collectives", f"the ranks moved {' and '.join(have)} data, where the "
+                      f"reference moved {' and '.join(want) or 'nothing'}", DTYPES_MIXED,
+                      rank=None)
+    return None
+
+
+def _judge_rank(ex: Exercise, case: Case, rank: int, world_size: int, expected: dict,
+                got: dict, solution: Callable | None) -> dict[str, Any] | None:
+    if "bad return" in got:
+        return {"status": "wrong", "output": "return value", "message": got["bad return"]}
+    mine = got["outputs"]
+    for name, value in expected["outputs"].items():
+        why = _compare(value, mine.get(name))
+        if why is None:
+            continue
+        if name in ("comm ops", "bytes sent"):
+            why += " (the grader sees what goes through zerolab.comm)"
+        evidence = Evidence(name, value, mine.get(name), expected["outputs"], mine, rank,
+                            world_size, case.make, solution, case.label)
+        return _wrong(name, why, _diagnose(ex.mistakes, evidence))
+    for name, why in got["changed"].items():
         output = f"input {name}"
         known = next((m for m in ex.mistakes if m.output == output), None)
         return _wrong(output, f"changed by your function: {why}",
                       known or Mistake("input changed", input_changed_hint(name)))
-    return {"status": "passed"}
+    return None
+
+
+def judge_raised(ex: Exercise, case: Case, rank: int, world_size: int, message: str,
+                 expected: dict | None, solution: Callable | None) -> Mistake | None:
+    """The kind of mistake an exception shows, if the exercise knows it."""
+    outputs = expected["outputs"] if expected and "outputs" in expected else {}
+    evidence = Evidence("raised", None, message, outputs, {}, rank, world_size, case.make,
+                        solution, case.label)
+    return _diagnose((*ex.mistakes, NON_CONTIGUOUS_VIEW), evidence)

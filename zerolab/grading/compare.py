@@ -1,10 +1,10 @@
 """Comparing the learner's outputs with the solution's, and saying how they differ: which
 item, expected against got, shape and max error.
 
-Floats and tensors are compared with a tolerance (tighter for float64 tensors); ints (counts,
-bytes, parameters) exactly.
-A tensor whose storage no longer holds its elements (resized to 0 bytes) is never read:
-reading it would crash the process.
+Floats and tensors are compared with a tolerance (tighter for float64 tensors, looser for
+16-bit ones); ints (counts, bytes, parameters) exactly. Outputs arrive as data
+(zerolab.grading.data): a tensor whose storage was freed is a `Freed`, an object that is not
+data a `Described`.
 """
 
 from __future__ import annotations
@@ -16,18 +16,14 @@ from typing import Any
 
 import torch
 
+from zerolab.grading.data import Described, Freed, describe, readable
+
 # (rtol, atol) by dtype: float64 results must keep float64's precision (a float32 buffer on
-# the way loses it); float32 and lower allow for another order of summation.
-_TOLERANCE = {torch.float64: (1e-10, 1e-12)}
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)} ({x.dtype})"
-    if isinstance(x, (list, tuple, dict)):
-        return f"a {type(x).__name__} of {len(x)}"
-    text = repr(x)
-    return f"{type(x).__name__} {text if len(text) < 40 else text[:37] + '...'}"
+# the way loses it); float32 allows for another order of summation; bfloat16 keeps 8 bits.
+_TOLERANCE = {torch.float64: (1e-10, 1e-12), torch.bfloat16: (1e-2, 1e-2),
+              torch.float16: (1e-3, 1e-3)}
+_describe = describe
+_readable = readable
 
 
 def _fmt_values(t: torch.Tensor) -> str:
@@ -61,7 +57,7 @@ def _compare(expected: Any, got: Any) -> str | None:
             return f"expected {len(expected)} items, got {len(got)}"
         return _first_item(expected, got, _compare)
     if isinstance(expected, numbers.Real) and not isinstance(expected, bool):
-        if isinstance(got, torch.Tensor) and got.numel() == 1 and _readable(got):
+        if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         if not isinstance(got, numbers.Real) or isinstance(got, bool):
             return f"expected a number, {expected:.6g}, got {_describe(got)}"
@@ -70,7 +66,9 @@ def _compare(expected: Any, got: Any) -> str | None:
         if not math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-12):
             return f"expected {expected:.6g}, got {got:.6g}"
         return None
-    return None if got == expected else f"expected {expected!r}, got {got!r}"
+    if got == expected:
+        return None
+    return f"expected {expected!r}, got {got.text if isinstance(got, Described) else repr(got)}"
 
 
 def _first_item(expected: Sequence, got: Sequence,
@@ -83,15 +81,15 @@ def _first_item(expected: Sequence, got: Sequence,
 
 
 def _compare_tensors(expected: torch.Tensor, got: Any) -> str | None:
-    if not isinstance(got, torch.Tensor):
+    if not isinstance(got, torch.Tensor | Freed):
         return f"expected {_describe(expected)}, got {_describe(got)}"
-    if got.shape != expected.shape:
+    if tuple(got.shape) != tuple(expected.shape):
         return f"expected shape {tuple(expected.shape)}, got shape {tuple(got.shape)}"
-    if got.dtype != expected.dtype:
+    if str(got.dtype) != str(expected.dtype):
         return f"expected dtype {expected.dtype}, got {got.dtype}"
-    if not _readable(got):
+    if isinstance(got, Freed):
         return (f"shape {tuple(got.shape)} as expected, but its storage holds only "
-                f"{got.untyped_storage().nbytes()} bytes (freed?): its values cannot be read")
+                f"{got.storage_bytes} bytes (freed?): its values cannot be read")
     e, g = expected.detach().double(), got.detach().double()
     rtol, atol = _TOLERANCE.get(expected.dtype, (1e-5, 1e-6))
     if torch.allclose(g, e, rtol=rtol, atol=atol, equal_nan=True):
@@ -107,9 +105,3 @@ def _compare_tensors(expected: torch.Tensor, got: Any) -> str | None:
     return f"shape {tuple(e.shape)} as expected, max error {error.max():.3g}; {values}"
 
 
-def _readable(t: torch.Tensor) -> bool:
-    """Whether t's storage holds every element t addresses (a freed storage holds 0 bytes)."""
-    if t.numel() == 0:
-        return True
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return (last + 1) * t.element_size() <= t.untyped_storage().nbytes()

@@ -1,21 +1,28 @@
-"""A rank that died in a native library (a signal, no Python exception): which rank, which
-signal, and what usually causes that signal in these exercises.
+"""How a learner's process ended early, said for the learner: a timeout, an exit, a signal,
+a flood of output. Each is a wrong answer (the grader stopped or lost the process: session.py),
+never a pass, and the message says what happened, where, and its likely cause.
 
-zerolab.launch says how a rank ended in the first line of its error ("rank 1 exited with code
--6 ...", or "rank 1 was killed by SIGABRT (exit code -6) ..."); `_parse_crash` reads either.
-The explanation is the grader's own: the exercise may add a hint for a signal (a Mistake
-with `signal=`), for the mistake that most often causes it there.
+For a rank killed by a signal the grader also reads what every rank was issuing (flight.py):
+where the ranks' collectives parted (different sizes, or another order), or a receive buffer of
+another dtype than what was sent, which is what makes gloo abort a process. An exercise may add
+its own explanation of a signal (a Mistake with `signal=`, and a test on the case).
 """
 
 from __future__ import annotations
 
-import re
 import signal
 from dataclasses import dataclass
 
-_RANK = re.compile(r"\brank (\d+)\b")
-_CODE = re.compile(r"(?:exited with|exit) code (-\d+)")
-_NAME = re.compile(r"\b(SIG[A-Z0-9]+)\b")
+from zerolab.grading import flight
+from zerolab.grading.defaults import FILE_LIMIT, OUTPUT_LIMIT
+from zerolab.grading.mistakes import (
+    COLLECTIVES_DIFFER,
+    COLLECTIVES_REORDERED,
+    DTYPES_MIXED,
+    Evidence,
+    Mistake,
+)
+from zerolab.grading.session import Stop
 
 # What a signal most often means when a rank runs a learner's tensor code on gloo.
 _CAUSES = {
@@ -29,41 +36,77 @@ _CAUSES = {
     "SIGKILL": "killed from outside, most often because the machine ran out of memory (a "
                "tensor far bigger than intended?)",
     "SIGFPE": "an arithmetic error in native code (an integer division by zero?)",
+    "SIGXFSZ": f"a file bigger than {FILE_LIMIT >> 20} MiB written",
 }
 
 
 @dataclass(frozen=True)
-class Crash:
-    """How a rank ended: its rank, the signal's name and the exit code (-signal number)."""
+class Explained:
+    """What to tell the learner about a run that stopped: the message, the kind of mistake
+    when it is known, whether it was a timeout."""
 
-    rank: int
-    signal: str
-    code: int
-
-    @property
-    def cause(self) -> str:
-        return _CAUSES.get(self.signal, "a crash in native code, with no Python exception")
-
-    def message(self, case: str | None) -> str:
-        where = f" during case '{case}'" if case else ""
-        return (f"rank {self.rank} was killed by {self.signal} (exit code {self.code}){where}, "
-                f"inside your function: no Python exception to show. Likely cause: "
-                f"{self.cause}.")
+    message: str
+    mistake: Mistake | None = None
+    timed_out: bool = False
+    printed: str = ""  # the head of what the process printed
 
 
-def _parse_crash(failure: str | None) -> Crash | None:
-    """The crash a launch failure describes, or None (a Python exception, a timeout, ...)."""
-    if not failure or failure.startswith("timeout"):
-        return None
-    rank, code, name = _RANK.search(failure), _CODE.search(failure), _NAME.search(failure)
-    if rank is None or (code is None and name is None):
-        return None
-    number = -int(code[1]) if code else int(getattr(signal, name[1], 0))
-    if name is None:
-        try:
-            signame = signal.Signals(number).name
-        except ValueError:
-            return None
-    else:
-        signame = name[1]
-    return Crash(int(rank[1]), signame, -number)
+def _where(stop: Stop) -> str:
+    if stop.case == "import":
+        return "while importing your file"
+    return f"during case '{stop.label}'" if stop.label else ""
+
+
+def _signal_name(code: int) -> str:
+    try:
+        return signal.Signals(-code).name
+    except ValueError:
+        return f"signal {-code}"
+
+
+def explain(stop: Stop, timeout: float, mistakes: tuple[Mistake, ...],
+            flights: list[list[dict]], evidence: Evidence | None,
+            distributed: bool = True) -> Explained:
+    """The message for a run that stopped while this task ran (see the module docstring)."""
+    where = _where(stop)
+    if stop.how == "timeout":
+        if not distributed:
+            return Explained(f"timed out after {timeout:g} s {where}: an endless loop? "
+                             "(stopped by the grader)", timed_out=True)
+        stuck = f"rank(s) {stop.stuck} never finished: " if stop.stuck else ""
+        return Explained(f"timed out after {timeout:g} s {where}: {stuck}an endless loop, or "
+                         "a rank waiting for a message no other rank sends? (stopped by the "
+                         "grader)", timed_out=True)
+    if stop.how == "output":
+        return Explained(f"printed more than {OUTPUT_LIMIT >> 20} MiB {where}: the grader "
+                         f"stopped the process (output capped).", printed=stop.output)
+    if stop.how == "exited":
+        how = ("os._exit()? " if stop.code == 0 else "")
+        return Explained(f"your code ended the process (exit status {stop.code}) {where}: "
+                         f"{how}the grader runs your code in a process of its own, and an exit "
+                         f"is a wrong answer, not a pass.", printed=stop.output)
+    name = _signal_name(stop.code or 0)
+    message = (f"rank {stop.rank} was killed by {name} (exit code {stop.code}) {where}, inside "
+               f"your code: no Python exception to show.")
+    mistake = None
+    difference = flight.first_difference(flights, finished=False) if flights else None
+    if difference is not None:
+        message += " " + difference.describe() + "."
+        mistake = COLLECTIVES_REORDERED if difference.tags_differ else None
+    elif len(flight.dtypes(flights)) > 1:
+        message += f" The ranks moved {' and '.join(flight.dtypes(flights))} data."
+        mistake = DTYPES_MIXED
+    if mistake is None and evidence is not None:
+        mistake = next((m for m in mistakes if m.signal == name
+                        and (m.test is None or _holds(m, evidence))), None)
+    if mistake is None and difference is not None:
+        mistake = COLLECTIVES_DIFFER
+    return Explained(f"{message} Likely cause: {_CAUSES.get(name, 'a crash in native code')}.",
+                     mistake, printed=stop.output)
+
+
+def _holds(mistake: Mistake, evidence: Evidence) -> bool:
+    try:
+        return bool(mistake.test(evidence))
+    except Exception:
+        return False

@@ -71,9 +71,7 @@ class Exercise:
     distributed: bool = False
     outputs: Callable[[Any, tuple], dict[str, Any]] = _result  # (result, args) -> named outputs
     comm_checked: bool = False  # also compare the zerolab.comm ops called and bytes sent
-    # How one case is checked on a rank, instead of check._check_case (same arguments, same
-    # record); engine exercises use engine_check.check_engine.
-    check: Callable[..., dict[str, Any]] | None = None
+    stage: str = ""  # an engine exercise: the stage it builds ("ddp", "zero2", "zero3")
     hints: tuple[str, ...] = ()  # further hint levels, after `hint`
     mistakes: tuple[Mistake, ...] = ()
     read_only: tuple[str, ...] = ()  # argument names checked unchanged after every call
@@ -98,11 +96,27 @@ def _tuple_outputs(*names: str) -> Callable[[Any, tuple], dict[str, Any]]:
     return outputs
 
 
-def _own_memory_outputs(result: Any, args: tuple) -> dict[str, Any]:
-    """The result, and the memory behind it: "a view of an input" (the first argument), or
-    "its own, N bytes" (a copy of exactly its elements, or a view into a bigger buffer)."""
+def memory_of(result: Any, inputs: list[Any]) -> str:
+    """Where a returned tensor's memory lives, as the grader sees it: "a view of an input",
+    "a view into a buffer of B bytes (its elements: E)", or "its own, E bytes"."""
     if not isinstance(result, torch.Tensor):
-        return {"result": result, "memory": "not a tensor"}
-    memory = ("a view of an input" if _shares_memory(result, [args[0]])
-              else f"its own, {result.untyped_storage().nbytes()} bytes")
-    return {"result": result, "memory": memory}
+        return "not a tensor"
+    if _shares_memory(result, inputs):
+        return "a view of an input"
+    storage, mine = result.untyped_storage().nbytes(), result.numel() * result.element_size()
+    if storage > mine:
+        return f"a view into a buffer of {storage} bytes (its elements: {mine})"
+    return f"its own, {mine} bytes"
+
+
+def _own_memory_outputs(result: Any, args: tuple) -> dict[str, Any]:
+    """The result, and the memory behind it (memory_of): a copy of exactly its elements."""
+    return {"result": result, "memory": memory_of(result, [args[0]])}
+
+
+def _new_memory_outputs(result: Any, args: tuple) -> dict[str, Any]:
+    """The result, and whether it lives in the input's memory (a view, or the input itself:
+    at N = 1 a shortcut can return it), or in memory of its own (a bigger buffer is fine)."""
+    memory = memory_of(result, [args[0]])
+    return {"result": result, "memory": memory if memory == "a view of an input"
+            else "not the input's memory"}

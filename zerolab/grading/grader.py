@@ -1,6 +1,6 @@
-"""`grade` and `load`, what a notebook calls: import the learner's files and the solutions,
-grade plain exercises here and distributed ones on ranks, and gather one Report. Also
-`grade_files`, for tools that grade many versions of an exercise at once."""
+"""`grade` and `load`, what a notebook calls: grade the learner's files against the solutions
+(in processes of their own: runner.py) and gather one Report. Also `grade_files`, for tools
+that grade many versions of an exercise at once."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import ast
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import ModuleType
 
-from zerolab.grading.check import _learner_traceback, _load_module
+from zerolab.grading.check import _load_module
 from zerolab.grading.defaults import (
     DEFAULT_TIMEOUT,
     DEFAULT_WORLD_SIZES,
@@ -21,11 +20,13 @@ from zerolab.grading.exercise import Exercise
 from zerolab.grading.generate import exercise_source
 from zerolab.grading.registry import EXERCISES, select
 from zerolab.grading.report import Report, Result, _shown
-from zerolab.grading.runner import _grade_distributed, _grade_plain, _Task
+from zerolab.grading.runner import grade_tasks
+from zerolab.grading.session import Task
 
 
 def load(name: str, path: str | os.PathLike | None = None) -> Callable:
-    """The learner's function for one exercise (id or function name), freshly imported."""
+    """The learner's function for one exercise (id or function name), freshly imported into
+    this process: to try it by hand. (Grading never imports a learner's file here.)"""
     found = select(name)
     if len(found) != 1:
         raise ValueError(f"{name!r} names several exercises; give an id such as 3.1")
@@ -39,8 +40,8 @@ def grade(names: Sequence[str] | str | None = None, path: str | os.PathLike | No
           world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES) -> Report:
     """Grade exercises (all by default) in `path` (default: exercises/) against solutions/.
 
-    names: files (ex03), ids (3.1) or function names. timeout: seconds one case may run.
-    world_sizes: the numbers of ranks distributed exercises run on.
+    names: files (ex03), ids (3.1) or function names. timeout: seconds one case (or importing
+    a file) may run. world_sizes: the numbers of ranks distributed exercises run on.
     """
     exercises = select(names)
     folder = Path(path) if path is not None else EXERCISES_DIR
@@ -55,8 +56,8 @@ def grade_files(items: Sequence[tuple[str, str | os.PathLike]],
                 timeout: float = DEFAULT_TIMEOUT,
                 world_sizes: Sequence[int] = DEFAULT_WORLD_SIZES) -> list[Result]:
     """Grade many learner files, each for one exercise: [(exercise id, file), ...] -> one
-    Result each, in order. Distributed ones share one launch per world size, so that a tool
-    grading many versions of an exercise (tests/mutation.py) pays for few launches."""
+    Result each, in order. They share one run per world size, so that a tool grading many
+    versions of an exercise (tests/mutation.py) pays for few of them."""
     chosen = [(str(i), EXERCISES[ex_id], Path(file)) for i, (ex_id, file) in enumerate(items)]
     results = _grade_items(chosen, timeout, world_sizes)
     return [results[key] for key, _, _ in chosen]
@@ -64,42 +65,44 @@ def grade_files(items: Sequence[tuple[str, str | os.PathLike]],
 
 def _grade_items(items: list[tuple[str, Exercise, Path]], timeout: float,
                  world_sizes: Sequence[int]) -> dict[str, Result]:
-    """Grade (key, exercise, learner file) items: plain ones here, distributed ones on ranks.
-    Results by key."""
+    """Grade (key, exercise, learner file) items; results by key. What can be told from a
+    file without running it (missing, not parsing, the untouched stub) is told here; the
+    rest runs in processes of its own (runner.py)."""
     if not SOLUTIONS_DIR.is_dir():
         raise ValueError(f"no {SOLUTIONS_DIR}: the grader needs the course's repository "
                          f"(solutions/ next to zerolab/; install it with `pip install -e .`)")
     results: dict[str, Result] = {}
-    tasks: list[_Task] = []
-    modules: dict[Path, ModuleType | Result] = {}
-    solutions: dict[Path, ModuleType] = {}
+    tasks: list[Task] = []
     for key, ex, learner_file in items:
-        solution_file = SOLUTIONS_DIR / f"{ex.module}.py"
-        if learner_file not in modules:
-            modules[learner_file] = _import_learner(ex, learner_file)
-        module = modules[learner_file]
-        if isinstance(module, Result):  # missing, or fails to import
-            results[key] = Result(ex, module.status, message=module.message,
-                                  traceback=module.traceback, hint=module.hint)
-        elif not hasattr(module, ex.function):
-            results[key] = Result(ex, "not attempted",
-                                  message=f"no function {ex.function} in {learner_file.name}")
-        elif ex.distributed and _untouched(ex, learner_file, solution_file):
-            # The stub as generated: "not attempted" without starting ranks for it.
-            results[key] = Result(ex, "not attempted")
-        elif ex.distributed:
-            tasks.append(_Task(key, ex, str(learner_file.resolve()),
-                               str(solution_file.resolve())))
+        found = _without_running(ex, learner_file)
+        if found is not None:
+            results[key] = found
         else:
-            if solution_file not in solutions:
-                solutions[solution_file] = _load_module(solution_file)
-            solution = getattr(solutions[solution_file], ex.function)
-            results[key] = _grade_plain(ex, (str(learner_file), getattr(module, ex.function)),
-                                        solution, timeout)
-    wrong = _grade_distributed(tasks, world_sizes, timeout)
+            tasks.append(Task(key, ex, str(learner_file.resolve())))
+    wrong = grade_tasks(tasks, world_sizes, timeout)
     for task in tasks:
         results[task.key] = wrong.get(task.key, Result(task.exercise, "passed"))
     return results
+
+
+def _without_running(ex: Exercise, learner_file: Path) -> Result | None:
+    """The verdict on a file that needs no running: missing, not parsing, or the stub as it
+    was generated. None: it must run."""
+    if not learner_file.exists():
+        return Result(ex, "not attempted", message=f"no file {_shown(learner_file)}")
+    try:
+        source = learner_file.read_text()
+        ast.parse(source, str(learner_file))
+    except SyntaxError as e:
+        where = f'  File "{learner_file}", line {e.lineno}\n    {(e.text or "").strip()}\n'
+        return Result(ex, "wrong", message=f"{learner_file.name} does not import: SyntaxError",
+                      traceback=f"{where}SyntaxError: {e.msg}",
+                      hint="Fix the file so that `python " + learner_file.name + "` runs.")
+    except (OSError, UnicodeDecodeError) as e:
+        return Result(ex, "wrong", message=f"{learner_file.name} cannot be read: {e}")
+    if _untouched(ex, learner_file, SOLUTIONS_DIR / f"{ex.module}.py"):
+        return Result(ex, "not attempted")  # the stub as generated: no process for it
+    return None
 
 
 def _untouched(ex: Exercise, learner_file: Path, solution_file: Path) -> bool:
@@ -115,15 +118,3 @@ def _untouched(ex: Exercise, learner_file: Path, solution_file: Path) -> bool:
         return stub is not None and stub == definition(learner_file.read_text())
     except (OSError, SyntaxError, ValueError):
         return False
-
-
-def _import_learner(ex: Exercise, learner_file: Path) -> ModuleType | Result:
-    if not learner_file.exists():
-        return Result(ex, "not attempted", message=f"no file {_shown(learner_file)}")
-    try:
-        return _load_module(learner_file)
-    except Exception as e:
-        return Result(ex, "wrong", message=f"{learner_file.name} does not import: "
-                                           f"{type(e).__name__}",
-                      traceback=_learner_traceback(e, str(learner_file)),
-                      hint="Fix the file so that `python " + learner_file.name + "` runs.")

@@ -54,3 +54,15 @@ def _shards(tensors: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     layout = FlatLayout.of(tensors, n)
     flat = flatten(tensors, layout)
     return [shard(flat, layout, r).clone() for r in range(n)]
+
+
+def non_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a view that is not contiguous: every other element of a buffer
+    twice as long (1-D), or its dimensions' transpose made contiguous and transposed back.
+    `.view(-1)` fails on it; `.reshape(-1)` and `.flatten()` copy."""
+    if t.dim() <= 1:
+        buffer = torch.zeros(2 * t.numel(), dtype=t.dtype)
+        buffer[::2] = t.reshape(-1)
+        return buffer[::2].view(t.shape) if t.dim() == 1 else buffer[::2][0]
+    dims = list(reversed(range(t.dim())))
+    return t.permute(dims).contiguous().permute(dims)

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from zerolab.grading.compare import _compare, _readable
+from zerolab.grading.compare import _compare
+from zerolab.grading.data import Freed
 
 
 @dataclass
@@ -36,7 +37,7 @@ class Evidence:
     world_size: int
     make: Callable[[int], tuple]  # the case's inputs, fresh, for any rank
     solution: Callable | None = None  # plain exercises: the solution, to try other inputs
-    args: tuple = ()  # the learner's arguments, after the call
+    case: str = ""  # the case's label
 
     def inputs(self, rank: int | None = None) -> tuple:
         """Fresh inputs of this case on `rank` (default: this rank)."""
@@ -65,9 +66,12 @@ class Mistake:
 
 def _diagnose(mistakes: tuple[Mistake, ...], evidence: Evidence) -> Mistake | None:
     """The first mistake that explains the evidence (a test that raises explains nothing).
-    Outputs whose storage was freed are not looked into: reading them would crash."""
+    A tensor of another dtype than expected is that, whatever else differs: its values would
+    mislead the other tests. Outputs whose storage was freed are not looked into."""
     if not _all_readable(evidence.got_outputs):
         return None
+    if evidence.output != "raised" and _safe(dtype_lost, evidence):
+        return DTYPE_LOST
     for mistake in mistakes:
         if mistake.signal or mistake.test is None:
             continue
@@ -82,8 +86,8 @@ def _diagnose(mistakes: tuple[Mistake, ...], evidence: Evidence) -> Mistake | No
 
 
 def _all_readable(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return _readable(value)
+    if isinstance(value, Freed):
+        return False
     if isinstance(value, dict):
         return all(_all_readable(v) for v in value.values())
     if isinstance(value, (list, tuple)):
@@ -222,9 +226,9 @@ def cut(flat: torch.Tensor, shapes: list[torch.Size], padding_in_front: bool = F
     return out
 
 
-def _dtypes(value: Any) -> list[torch.dtype]:
-    if isinstance(value, torch.Tensor):
-        return [value.dtype]
+def _dtypes(value: Any) -> list[str]:
+    if isinstance(value, torch.Tensor | Freed):
+        return [str(value.dtype)]
     items = value.values() if isinstance(value, dict) else value
     return [d for v in items for d in _dtypes(v)] if isinstance(value, (dict, list, tuple)) \
         else []
@@ -237,22 +241,45 @@ def dtype_lost(ev: Evidence) -> bool:
 
 DTYPE_LOST = Mistake("the dtype lost",
                      "Keep the input's dtype: torch.empty and torch.zeros make float32 unless "
-                     "you pass dtype=.", dtype_lost, output="")
+                     "you pass dtype= (or use torch.empty_like, new_zeros).", dtype_lost,
+                     output="")
+NON_CONTIGUOUS_VIEW = Mistake(
+    ".view() of a non-contiguous tensor",
+    "An input may be a non-contiguous view (a transpose, a strided slice): .view() needs "
+    "contiguous memory. Use .reshape() or .flatten(), which copy when they must.",
+    lambda ev: "view size is not compatible" in ev.got, output="raised")
+DTYPES_MIXED = Mistake(
+    "data sent and received in different dtypes",
+    "A receive buffer must have the dtype of what is sent into it: torch.empty and torch.zeros "
+    "make float32 unless you pass dtype= (torch.empty_like keeps the dtype).",
+    output="collectives")
+COLLECTIVES_REORDERED = Mistake(
+    "the ranks issued their collectives in different orders",
+    "Every rank must issue the same collectives in the same order. Processes started one by "
+    "one (torchrun) hash strings differently, so a set of names (or anything built from one) "
+    "is iterated in a different order on each rank: iterate a list or a dict, or sorted(...).",
+    output="collectives")
+COLLECTIVES_DIFFER = Mistake(
+    "the ranks issued different collectives",
+    "Every rank must issue the same collectives, of the same sizes, in the same order: a "
+    "collective's size may not depend on the rank's own data (pad to a common size first).",
+    output="collectives")
 
 
 def memory_mistakes(what: str) -> tuple[Mistake, Mistake]:
-    """The two ways an output that must be a copy of its own goes wrong (exercise.
-    _own_memory_outputs): a view of an input, and a view into a bigger buffer."""
+    """The two ways an output that must be a copy of its own goes wrong (exercise.memory_of):
+    a view of an input, and a view into a bigger buffer."""
     return (
         Mistake(f"{what}: a view of an input, not a copy",
-                "Return memory of your own (.clone()): a view of an input changes when the "
-                "input does, and keeps all of it alive.",
+                "Return memory of your own (.clone()): a view of an input (or the input "
+                "itself, a shortcut at N = 1) changes when the input does, and keeps all of "
+                "it alive.",
                 lambda ev: ev.got == "a view of an input", output="memory"),
         Mistake(f"{what}: a view into a bigger buffer",
                 "Return exactly your elements, in memory of their own (.clone() the slice): a "
                 "view keeps the whole buffer it was cut from alive, which is the memory that "
                 "sharding is meant to save.",
-                lambda ev: ev.got.startswith("its own"), output="memory"))
+                lambda ev: ev.got.startswith("a view into"), output="memory"))
 
 
 def input_changed_hint(name: str) -> str:

@@ -33,6 +33,7 @@ class Result:
     hint: str = ""
     timed_out: bool = False
     mistake: str = ""  # the kind of mistake, when the grader recognised it ("" otherwise)
+    printed: str = ""  # the first lines the learner's process printed, when it was stopped
 
     @property
     def id(self) -> str:
@@ -63,6 +64,9 @@ class Result:
         elif self.message:
             out += _wrapped(self.message)
         out += ["         " + line for line in self.traceback.rstrip().splitlines()]
+        if self.printed.strip():
+            out.append("       its output began:")
+            out += ["         | " + line for line in self.printed.rstrip().splitlines()]
         if self.mistake:
             out += _wrapped(f"looks like: {self.mistake}")
         if self.hint:

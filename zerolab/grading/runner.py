@@ -1,193 +1,213 @@
-"""Grading a set of exercises: plain ones in this process, distributed ones on spawned ranks.
+"""Grading a set of learner's files: runs on each world size, and a verdict per file.
 
-A plain exercise runs its cases here, each under a time limit. Distributed exercises run on
-1, 2 and 3 ranks (zerolab.launch), one launch per world size for all those being graded; each
-rank runs ranks._worker and compares its own outputs. The launch's own timeout is the
-backstop for a rank that hangs where its watchdog cannot stop it. The ranks' records become
-one verdict per exercise (the first failing case; the rank that caused it; for a rank killed
-by a signal, the case it was in and the signal's likely cause).
+No learner code runs in this process. Here: the references of plain exercises (the solution,
+run on each case), the runs (session.py: the learner's code on processes of its own, plain
+exercises on one process, distributed ones on 1, 2 and 3 ranks, one run per world size for all
+of them), and the judging of what came back (kinds.judge), case by case, rank by rank. A task
+found wrong on one world size is not run on the next. A run that stopped early (a timeout, an
+exit, a crash, a flood of output) gives a wrong verdict to the task it stopped in, and the
+tasks it never reached are run again; a run that could not even start is retried twice, then
+the grader gives up (not the learner's fault).
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import signal
-import tempfile
-import threading
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from types import FrameType
-from typing import NoReturn
+import functools
+from collections.abc import Sequence
+from typing import Any
 
-from zerolab.grading.check import _check_case
-from zerolab.grading.crashes import _parse_crash
-from zerolab.grading.defaults import GRACE, STARTUP_ALLOWANCE
+from zerolab.grading import crashes, data, kinds, session
+from zerolab.grading.check import judge_raised
 from zerolab.grading.exercise import Exercise
-from zerolab.grading.ranks import _worker
+from zerolab.grading.mistakes import Evidence
+from zerolab.grading.registry import EXERCISES
 from zerolab.grading.report import Result, _result_from
-from zerolab.launcher import LaunchError, LaunchTimeout, launch
-
-# ---- plain exercises: in this process -----------------------------------------------------------
+from zerolab.grading.session import Run, Task
 
 
-class _Timeout(BaseException):
-    """Not an Exception, so that a learner's `except Exception` does not swallow it."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float) -> Iterator[None]:
-    """Interrupt the block after `seconds` (SIGALRM: main thread on Unix only, else no limit)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
-        yield
-        return
-
-    def expire(signum: int, frame: FrameType | None) -> NoReturn:
-        raise _Timeout()
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def _grade_plain(ex: Exercise, learner: tuple[str, Callable], solution: Callable,
-                 timeout: float) -> Result:
-    for case in ex.cases():
-        try:
-            with _time_limit(timeout):
-                record = _check_case(ex, learner, solution, case)
-        except _Timeout:
-            record = {"status": "timeout"}
-        if record["status"] != "passed":
-            return _result_from(ex, {**record, "label": case.label}, timeout=timeout)
-    return Result(ex, "passed")
-
-
-# ---- distributed exercises: on spawned ranks ----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Task:
-    """One learner file to grade on ranks for one exercise. `key` names it in the records (the
-    exercise id; the mutation tool grades many files of one exercise in one launch)."""
-
-    key: str
-    exercise: Exercise
-    learner: str  # file paths
-    solution: str
-
-
-def _launch_batch(tasks: list[_Task], world_size: int,
-                  timeout: float) -> tuple[dict[str, list[dict]], str | None]:
-    """One launch grading `tasks` at `world_size`: (records by task key, failure)."""
-    workdir = tempfile.mkdtemp(prefix="zerolab-grade-")
-    jobs = [(t.key, t.exercise.id, t.learner, t.solution) for t in tasks]
-    failure = None
-    try:
-        launch(_worker, world_size, args=(jobs, workdir, timeout, GRACE), backend="gloo",
-               timeout=STARTUP_ALLOWANCE + timeout * len(jobs))
-    except LaunchTimeout as e:
-        failure = f"timeout: {e}"
-    except LaunchError as e:
-        failure = str(e).splitlines()[0]
-    records: dict[str, list[dict]] = {}
-    for rank in range(world_size):
-        path = os.path.join(workdir, f"records-{rank}.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    if line.strip():
-                        r = json.loads(line)
-                        records.setdefault(r["id"], []).append(r)
-    shutil.rmtree(workdir, ignore_errors=True)
-    return records, failure
-
-
-def _grade_distributed(tasks: list[_Task], world_sizes: Sequence[int],
-                       timeout: float) -> dict[str, Result]:
-    """Grade on each world size in turn; a task found wrong is not run again. Returns the
-    results of the tasks found wrong, by key (a task missing from it passed)."""
+def grade_tasks(tasks: list[Task], world_sizes: Sequence[int],
+                timeout: float) -> dict[str, Result]:
+    """Grade every task; their results by key (a task missing from it passed)."""
     results: dict[str, Result] = {}
-    for n in world_sizes:
-        todo = [t for t in tasks if t.key not in results]
-        retries = 0
-        while todo:
-            records, failure = _launch_batch(todo, n, timeout)
-            finished = [t for t in todo
-                        if sum(1 for r in records.get(t.key, []) if r.get("final")) == n]
-            # If the launch died, the first unfinished task is the one that killed it ...
-            stopped = next((t for t in todo if t not in finished), None)
-            if stopped is not None and failure is not None and not records.get(stopped.key):
-                # ... unless no rank even started it: the launch itself failed (a machine
-                # short of memory or processes). Not the learner's fault: run it again.
-                retries += 1
-                if retries > 2:
-                    raise RuntimeError(f"the grader could not run {n} ranks: {failure}")
-                stopped = None
-            elif stopped is not None and failure is None:
-                failure = "the ranks ended before this exercise finished (a bug in the grader?)"
-            resolved = finished + ([stopped] if stopped is not None else [])
-            for t in resolved:
-                verdict = _verdict(t.exercise, n, records.get(t.key, []),
-                                   failure if t is stopped else None, timeout)
-                if verdict is not None:
-                    results[t.key] = verdict
-            todo = [t for t in todo if t not in resolved]  # not reached: run them again
+    plain = [t for t in tasks if not t.exercise.distributed]
+    distributed = [t for t in tasks if t.exercise.distributed]
+    sizes = list(world_sizes) if distributed else []
+    if plain and 1 not in sizes:
+        sizes = [1, *sizes]
+    for n in sizes:
+        todo = [t for t in distributed if t.key not in results]
+        if n == 1:
+            todo = plain + todo
+        _grade_on(todo, n, timeout, results)
     return results
 
 
-def _verdict(ex: Exercise, world_size: int, records: list[dict], failure: str | None,
-             timeout: float) -> Result | None:
-    """The exercise's result at one world size from its ranks' records (None: passed)."""
-    if (crashed := _crash_verdict(ex, world_size, records, failure)) is not None:
-        return crashed
-    failing = [r for r in records if "status" in r and r["status"] != "passed"]
-    if not failing:
-        if failure is None:
-            return None
-        if failure.startswith("timeout"):
-            return _result_from(ex, {"status": "timeout", "world_size": world_size},
-                                timeout=timeout)
-        return Result(ex, "wrong", world_size=world_size,
-                      message=f"the ranks stopped before finishing: {failure}", hint=ex.hint)
-    case = min(r["case"] for r in failing)
-    at_case = sorted((r for r in failing if r["case"] == case), key=lambda r: r["rank"])
-    record = at_case[0]
-    for status in ("error", "raised", "timeout", "stub", "wrong"):
-        chosen = [r for r in at_case if r["status"] == status]
-        if chosen:
-            # The first rank to raise is the cause: when it leaves, a rank that was waiting
-            # for it may raise too (connection closed) before the launch kills it.
-            record = min(chosen, key=lambda r: r["time"]) if status == "raised" else chosen[0]
-            break
-    if record["status"] == "timeout":
-        done = {r["rank"] for r in records
-                if r.get("case") == case and r.get("status", "timeout") != "timeout"}
-        record = {**record, "stuck": sorted(set(range(world_size)) - done)}
-    return _result_from(ex, {**record, "world_size": world_size}, timeout=timeout)
+def _wrong_already(task: Task, index: int, got: list[Any],
+                   references: dict[str, list[Any]]) -> bool:
+    """Whether a case that returned on every rank shows the task wrong (session.Judge)."""
+    ex, n = task.exercise, len(got)
+    expected = _expected(ex, references)
+    if isinstance(expected, Result):
+        return True
+    cases = ex.cases(n) if ex.distributed else ex.cases()
+    record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got)
+    return record["status"] != "passed"
 
 
-def _crash_verdict(ex: Exercise, world_size: int, records: list[dict],
-                   failure: str | None) -> Result | None:
-    """A rank killed by a signal inside the learner's function (it began a case and never
-    recorded its outcome): the signal, the case, and the likely cause. The other ranks'
-    errors (connection closed) are consequences, not shown."""
-    crash = _parse_crash(failure)
-    if crash is None:
-        return None
-    mine = [r for r in records if r.get("rank") == crash.rank]
-    done = {r["case"] for r in mine if "status" in r}
-    begun = [r for r in mine if r.get("begin") and r["case"] not in done]
-    if not begun:
-        return None
-    label = begun[-1]["label"]
-    known = next((m for m in ex.mistakes if m.signal == crash.signal), None)
-    return Result(ex, "wrong", world_size=world_size, rank=crash.rank, case=label,
-                  message=crash.message(label), hint=known.hint if known else ex.hint,
-                  mistake=known.kind if known else "")
+def _grade_on(todo: list[Task], world_size: int, timeout: float,
+              results: dict[str, Result]) -> None:
+    """Run `todo` on `world_size` ranks until every task has a verdict there (the references
+    computed by the first run serve the next ones)."""
+    failures = 0
+    references: dict[str, list[Any]] = {}
+    while todo:
+        run = session.run(todo, world_size, timeout, references, _wrong_already)
+        references = run.references
+        if run.stop is not None and run.stop.how == "startup":
+            failures += 1
+            if failures > 2:
+                raise RuntimeError(f"the grader could not run {world_size} rank(s):\n"
+                                   f"{run.stop.output}")
+            continue
+        for task in todo:
+            if task in run.unreached:
+                continue
+            verdict = _verdict(task, run, timeout)
+            if verdict is not None:
+                results[task.key] = verdict
+        todo = list(run.unreached)
+
+
+def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
+    """The task's result on this run's world size (None: passed)."""
+    ex, n = task.exercise, run.world_size
+    events = run.events.get(task.key, [])
+    ends = {(e["case"], e["rank"]): e for e in events if e["event"] == "end"}
+    expected = _expected(ex, run.references)
+    if isinstance(expected, Result):
+        return expected
+    cases = ex.cases(n) if ex.distributed else ex.cases()
+    done = [e for e in events if e["event"] == "done" and e["status"] == "tampered"]
+    if done:  # whatever the cases showed, they were measured with replaced tools
+        return _tampered(ex, n, done[0]["message"])
+    for index in ["import", *range(len(cases))]:
+        mine = [ends.get((index, r)) for r in range(n)]
+        label = "" if index == "import" else cases[index].label
+        failed = [e for e in mine if e is not None and e["status"] != "returned"]
+        causes = [e for e in failed if not _consequence(e)]
+        stopped_here = (run.stop is not None and run.stop.key == task.key
+                        and run.stop.case == index)
+        if causes or (failed and not stopped_here):
+            return _failed(ex, task, index, label, causes or failed, expected, run, cases)
+        if None in mine or stopped_here:  # the run stopped in this case
+            return _stopped(ex, task, index, label, run, timeout, cases)
+        if index == "import":
+            continue
+        got = [run.got[task.key, index, r] for r in range(n)]
+        record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got)
+        if record["status"] != "passed":
+            return _result_from(ex, {**record, "label": label, "world_size": _shown(ex, n)},
+                                timeout)
+    if not any(e["event"] == "done" for e in events):
+        return _stopped(ex, task, "done", "", run, timeout, cases)
+    return None
+
+
+# What gloo raises on a rank whose peer has died: a consequence, never the cause.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "Read error", "Write error", "Connection refused")
+
+
+def _consequence(end: dict) -> bool:
+    return end["status"] == "raised" and any(w in end.get("message", "") for w in _PEER_GONE)
+
+
+def _shown(ex: Exercise, world_size: int) -> int | None:
+    return world_size if ex.distributed else None
+
+
+@functools.cache
+def _plain_expected(exercise_id: str) -> list[list[Any]]:
+    """A plain exercise's solution on each of its cases, run here (it is the course's code)."""
+    ex = EXERCISES[exercise_id]
+    solution = kinds.solution(ex)
+    return [[data.decode(kinds.run(ex, solution, case)) for case in ex.cases()]]
+
+
+def _expected(ex: Exercise, references: dict[str, list[Any]]) -> list[list[Any]] | Result:
+    """Per rank, the reference's results of each case (computed here for a plain exercise)."""
+    if not ex.distributed:
+        return _plain_expected(ex.id)
+    per_rank = references.get(ex.id)
+    bad = next((r for r in per_rank or [None] if not isinstance(r, list)), "missing")
+    if per_rank is None or bad != "missing":
+        trace = bad.get("error", "") if isinstance(bad, dict) else ""
+        return Result(ex, "error", message="the reference raised (a bug in the grader)",
+                      traceback=trace)
+    return per_rank
+
+
+def _failed(ex: Exercise, task: Task, index: Any, label: str, failed: list[dict],
+            expected: list[list[Any]], run: Run, cases: list) -> Result:
+    """A case (or the import) that did not return on some rank: its first cause."""
+    n = run.world_size
+    for status in ("tampered", "import failed", "missing", "error", "raised", "stub"):
+        chosen = sorted((e for e in failed if e["status"] == status), key=lambda e: e["time"])
+        if not chosen:
+            continue
+        e = chosen[0]  # the first to raise is the cause; the others may be its consequences
+        if status == "tampered":
+            return _tampered(ex, n, e.get("message", ""))
+        if status == "import failed":
+            name = task.learner.rsplit("/", 1)[-1]
+            return Result(ex, "wrong", message=f"{name} does not import: {e['message']}",
+                          traceback=e.get("traceback", ""),
+                          hint=f"Fix the file so that `python {name}` runs.")
+        if status == "missing":
+            return Result(ex, "not attempted",
+                          message=f"no {'class' if ex.kind == 'engine' else 'function'} "
+                                  f"{ex.function} in {task.learner.rsplit('/', 1)[-1]}")
+        if status == "stub":
+            return Result(ex, "not attempted")
+        record = {**e, "label": label, "world_size": _shown(ex, n)}
+        if status == "raised" and index != "import":
+            rank = e["rank"]
+            mistake = judge_raised(ex, cases[index], rank, n, e["message"],
+                                   expected[rank][index] if rank < len(expected) else None,
+                                   None if ex.distributed else kinds.solution(ex))
+            if mistake is not None:
+                record.update(mistake=mistake.kind, hint=mistake.hint)
+        return _result_from(ex, record, timeout=0)
+    raise AssertionError(failed)
+
+
+def _tampered(ex: Exercise, world_size: int, what: str) -> Result:
+    return Result(ex, "wrong", world_size=_shown(ex, world_size),
+                  message=f"your code replaced {what} in its process: the grader measures with "
+                          f"torch, zerolab and its own code as they are",
+                  mistake="the grader's tools patched",
+                  hint="Leave torch, zerolab and zerolab.grading as they are: write your answer "
+                       "in your own function, without changing what the grader measures with.")
+
+
+def _stopped(ex: Exercise, task: Task, index: Any, label: str, run: Run, timeout: float,
+             cases: list) -> Result:
+    """The run stopped while this task ran: a timeout, an exit, a crash, a flood."""
+    stop = run.stop
+    n = run.world_size
+    if stop is None or stop.key not in (None, task.key):
+        return Result(ex, "error", world_size=_shown(ex, n), case=label or None,
+                      message="the ranks stopped before finishing this exercise, without a "
+                              "cause the grader could see (a bug in the grader?)")
+    flights = run.flights.get((task.key, index), []) if isinstance(index, int) else []
+    evidence = None
+    if isinstance(index, int):
+        evidence = Evidence("crash", None, flights, {}, {}, stop.rank or 0, n,
+                            cases[index].make, None, label)
+    told = crashes.explain(stop, timeout, ex.mistakes, flights, evidence, ex.distributed)
+    return Result(ex, "wrong", world_size=_shown(ex, n),
+                  rank=stop.rank if ex.distributed and stop.how != "timeout" else None,
+                  case=label or None, message=told.message, timed_out=told.timed_out,
+                  printed=told.printed,
+                  mistake=told.mistake.kind if told.mistake else "",
+                  hint=told.mistake.hint if told.mistake else ex.hint)

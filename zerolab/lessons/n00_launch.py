@@ -10,6 +10,7 @@ and returns what the launcher's flight recorders found (`provoke_hang`).
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -123,9 +124,9 @@ def set_orders(names: list[str], world_size: int) -> list[list[str]]:
     """For each rank: `list(set(names))` as a new Python process computes it, each rank with its
     own hash seed (PYTHONHASHSEED), the first seeds from 1 up whose orders all differ.
 
-    Under torchrun every rank is a new Python whose str hashes are salted at random, so a loop
-    over a set of names runs in a different order on each rank. zerolab's ranks are forked from
-    one process and share its salt, so each rank asks a new Python here, as torchrun would.
+    Every rank is a Python with its own random str-hash salt, under torchrun and zerolab.launch
+    alike (`string_hash`), so a loop over a set runs in its own order on each rank, and may by
+    chance agree (1 time in 6 for 3 names): fixed seeds make the lesson's hang happen every run.
     """
     orders: list[list[str]] = []
     seed = 0
@@ -176,9 +177,13 @@ class HangVerdict:
 
     case: str  # a key of HANGS
     error: str  # the exception's class: "LaunchTimeout" (hung) or "WorkerError" (aborted)
-    headline: str  # its first line
+    headline: str  # its first line, less the seconds it measured (they vary from run to run)
     verdict: str  # where each rank was and the first collective where they differ
     seconds: float  # from the launch to the error (the launch's timeout was far longer)
+
+
+# A deadlock's headline ends "(none moved for 1.0s)": measured, so 1.1s on a loaded machine.
+_SECONDS = re.compile(r" \(none moved for [0-9.]+s\)")
 
 
 def provoke_hang(case: str, world_size: int = 2, timeout: float = 60.0) -> HangVerdict:
@@ -187,6 +192,29 @@ def provoke_hang(case: str, world_size: int = 2, timeout: float = 60.0) -> HangV
     try:
         zerolab.launch(HANGS[case], world_size, timeout=timeout)
     except (zerolab.LaunchTimeout, zerolab.WorkerError) as err:
-        return HangVerdict(case, type(err).__name__, str(err).splitlines()[0],
-                           err.explanation, time.perf_counter() - start)
+        headline = _SECONDS.sub("", str(err).splitlines()[0])
+        return HangVerdict(case, type(err).__name__, headline, err.explanation,
+                           time.perf_counter() - start)
     raise AssertionError(f"{case}: the ranks did not hang")
+
+
+def string_hash(name: str = "wte") -> int:
+    """On each rank: Python's hash of `name`. Python salts str hashes with a seed it picks when it
+    starts (PYTHONHASHSEED); torchrun's ranks are new Pythons, and zerolab's are forked from a
+    helper of their own, each with its own seed (zerolab/launcher/zygote.py): the values differ
+    from rank to rank, and so does the order of a set of names."""
+    return hash(name)
+
+
+# What the verdict says a rank did at the first differing collective: "waits in", "died in",
+# "failed in", "called" (completed), "issued".
+_RANK_DID = re.compile(r"\brank (\d+) (?:waits in|died in|failed in|called|issued) ")
+
+
+def where_they_parted(verdict: str) -> str:
+    """The verdict's last line (the first collective at which the ranks' records differ, each
+    rank's record of it, and the likely cause), with what each rank did there reduced to "at".
+    When gloo aborts one rank, whether its peer is then found failed, still waiting, or past
+    the call depends on which the launcher sees first: a race, which the notebook's compared
+    output must not show."""
+    return _RANK_DID.sub(r"rank \1 at ", verdict.splitlines()[-1])

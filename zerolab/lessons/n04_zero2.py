@@ -13,7 +13,7 @@ backward, then free it). For each, one launch measures on every rank, with
 Two smaller measurements ride in the same launch: ZeRO-2 over two micro-batches against one
 batch (`accumulation`), and two consecutive ZeRO-2 steps recorded in one log, with the
 parameter all-gathers waited for in step() (prefetch=False) or in the next forward
-(prefetch=True, the default) (`two_steps`).
+(prefetch=True, opted into) (`two_steps`).
 
 `zero2_lesson` returns a `Zero2Lesson` (the measured steps, `MemoryTrace`s and `CommLog`s
 inside); the notebook draws it with `zerolab.plots`.

@@ -112,7 +112,7 @@ def score_each(predicted: dict[str, float | None], measured: dict[str, float], k
 class PredictionExercise:
     """What a notebook asks the learner to predict, and how the answer is scored."""
 
-    id: str  # "10.1": notebook 10's first prediction
+    id: str  # "10.1": notebook 10's first prediction; "05.p1": notebook 05's (01 to 09)
     notebook: str  # the notebook's file stem
     name: str  # the variable the learner fills in the notebook
     question: str  # what to predict, in one sentence, with its unit
@@ -125,9 +125,50 @@ class PredictionExercise:
         return score(predicted, measured, self.kind, rounding=self.rounding, band=self.band)
 
 
+_MEASURED = "zerolab.lessons.measured:measured_for"  # notebooks 01 to 09: ids "NN.pK"
 _10 = "10_bytes_to_seconds"
 _MEASURE = "zerolab.lessons.n10_time:measured_for"
 PREDICTIONS = {p.id: p for p in (
+    PredictionExercise(
+        "01.p1", "01_ddp", "predicted_all_reduced_bytes",
+        "Bytes (S, summed over the buckets) one rank all-reduces in one DDP step of the larger "
+        "GPT, bucket_bytes=1 << 20", "bytes", measure=_MEASURED),
+    PredictionExercise(
+        "01b.p1", "01b_memory", "predicted_model_state_bytes",
+        "Model-state bytes (params + grads + optimizer) rank 0 holds after one fp32 AdamW step "
+        "with DDP, to the nearest KiB", "bytes", rounding=1024, measure=_MEASURED),
+    PredictionExercise(
+        "02.p1", "02_collectives", "predicted_all_reduce_wire_bytes",
+        "Bytes rank 0 writes to its sockets in one all-reduce of S = 49,152 bytes at N = 3, "
+        "to the nearest 4 KiB", "bytes", rounding=4096, measure=_MEASURED),
+    PredictionExercise(
+        "03.p1", "03_zero1", "predicted_zero1_optimizer_bytes",
+        "Optimizer-state bytes rank 0 holds with ZeRO-1 at N = 4 after step(), to the nearest "
+        "KiB", "bytes", rounding=1024, measure=_MEASURED),
+    PredictionExercise(
+        "04.p1", "04_zero2", "predicted_peak_grad_bytes",
+        "The most gradient bytes rank 0 holds at any moment of one step of ZeRO-2 reduced "
+        "after backward (ZeRO2AfterBackward), N = 2", "bytes", measure=_MEASURED),
+    PredictionExercise(
+        "05.p1", "05_zero3", "predicted_all_gathers",
+        "All-gathers rank 0 issues in one ZeRO-3 step with prefetch off, forward and backward "
+        "together", "count", measure=_MEASURED),
+    PredictionExercise(
+        "06.p1", "06_fsdp2", "predicted_fsdp2_bytes",
+        "Model-state bytes rank 0 holds with torch's FSDP2 (fully_shard) after step(), N = 2, "
+        "to the nearest KiB", "bytes", rounding=1024, measure=_MEASURED),
+    PredictionExercise(
+        "07.p1", "07_scaling", "predicted_zero3_sent_bytes",
+        "Bytes rank 0 sends in one ZeRO-3 step at N = 4, in the ring model (as zerolab.comm "
+        "records each call), to the nearest KiB", "bytes", rounding=1024, measure=_MEASURED),
+    PredictionExercise(
+        "08.p1", "08_activations", "predicted_block_bytes",
+        "Bytes block 0 saves for backward, h = 64, b = 2 sequences of s = 32 tokens, SDPA, "
+        "fp32, to the nearest 4 KiB", "bytes", rounding=4096, measure=_MEASURED),
+    PredictionExercise(
+        "09.p1", "09_past_one_node", "predicted_bytes_across",
+        "Bytes an HSDP rank (N = 4, nodes of 2) sends to the other node in one step, in the "
+        "ring model, to the nearest KiB", "bytes", rounding=1024, measure=_MEASURED),
     PredictionExercise(
         "10.1", _10, "predicted_wire_bytes",
         "Bytes rank 0 writes to its sockets in one 4 MiB all-reduce at N = 2 (gloo's ring), "

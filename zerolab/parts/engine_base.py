@@ -14,10 +14,10 @@ from collections.abc import Iterator
 
 import torch
 
-from zerolab.memory import model_state_bytes
 from zerolab.parts.buffers import broadcast_coalesced
 from zerolab.parts.clipping import clip_grad_norm_
 from zerolab.parts.habits import hook_module_state
+from zerolab.parts.storages import model_state_bytes
 from zerolab.sharding import Slot
 
 

@@ -1,0 +1,66 @@
+"""Exercises for notebook 07: when ZeRO pays, from the formulas.
+
+Check your answers with `grade("ex07")` in the notebook, or `python -m zerolab.grade ex07`.
+"""
+
+# Write your code in place of each `raise NotImplementedError(...)`. This file is generated
+# from solutions/ by `python -m zerolab.grade --make-exercises`; the imports are the ones the
+# solution uses, kept for you.
+# ruff: noqa: F401
+
+from __future__ import annotations
+
+import math
+
+STAGES = ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+# Bytes per parameter of (parameters, gradients, optimizer state K) with Adam.
+PRECISION_BYTES = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}
+
+
+def largest_model(memory_bytes: float, world_size: int, stage: str,
+                  precision: str = "fp32") -> int:
+    """Exercise 7.1: The largest model whose model states fit in each rank's memory.
+
+    Inputs: memory_bytes: what one rank may use for model states. world_size: N ranks.
+    stage: one of STAGES. precision: "fp32" (params 4, grads 4, Adam's K = 8 bytes per
+    parameter) or "mixed" (the paper's 2 + 2 + K = 12: fp32 master weights, m and v); see
+    PRECISION_BYTES.
+    Returns: an int: the largest whole number of parameters Ψ whose params + grads +
+    optimizer state on one rank (sharded as in 1.1; ignore activations and padding) fit in
+    memory_bytes.
+    Example: 80 GB (80e9 bytes) on 8 ranks, "ZeRO-3", "mixed" -> 40e9 parameters; the same
+    with DDP: 5e9.
+    Graded on: 80e9 and 24e9 bytes, and a few hundred bytes (where a fraction of a
+    parameter is left over); N = 1, 8 and 64; every stage; both precisions. Compared
+    exactly.
+
+    Hint: one rank holds Ψ times (the bytes one parameter costs on that rank). Which whole Ψ
+    is the largest that fits?
+    """
+    p, g, k = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}[precision]
+    level = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"].index(stage)
+    per_param = sum(nbytes / (world_size if level >= first else 1)
+                    for nbytes, first in ((p, 3), (g, 2), (k, 1)))
+    return math.floor(memory_bytes / per_param)
+
+
+def ring_time(nbytes: float, world_size: int, op: str, bandwidth: float,
+              latency: float) -> float:
+    """Exercise 7.2: How long a ring collective takes, by the latency-bandwidth model.
+
+    Inputs: nbytes: S, the full tensor's bytes. world_size: N ranks in a ring. op:
+    "all_reduce", "reduce_scatter" or "all_gather". bandwidth: bytes per second one link
+    carries; latency: seconds each message costs.
+    Returns: the seconds, a float (0.0 on one rank). In the model, the ring runs in steps;
+    in each, every rank sends one message to its neighbour, all at once, and a step costs
+    latency + (the message's bytes) / bandwidth.
+    Example: an all-reduce of 28e9 bytes (7B fp32 gradients) on 8 ranks, 100e9 B/s, no
+    latency: 0.49 s.
+    Graded on: S = 28e9 and 1000 bytes; N = 1, 2, 3 and 8; each op; latency 0 and 5 µs.
+
+    Hint: how many steps does each ring collective take, and how big is one message?
+    """
+    rounds = (world_size - 1) * (2 if op == "all_reduce" else 1)
+    chunk = nbytes / world_size
+    return float(rounds * latency + rounds * chunk / bandwidth)

@@ -1,0 +1,105 @@
+"""The grader's parts that need no ranks: data sent back as data, tampering seen, collectives
+compared across ranks, a stopped run explained, the ranks' hash seeds."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from zerolab.grading import crashes, data, flight, tamper
+from zerolab.grading.defaults import HASH_SEEDS
+from zerolab.grading.mistakes import Evidence
+from zerolab.grading.session import Stop
+
+
+def test_outputs_travel_as_data(tmp_path):
+    freed = torch.zeros(4)
+    freed.untyped_storage().resize_(0)
+    value = {"t": torch.arange(6.0).view(2, 3).t(), "freed": freed, "n": 3, "s": "x",
+             "list": [1.5, None, (True, torch.tensor([1], dtype=torch.bfloat16))],
+             "dtype": torch.float64, "object": object()}
+    path = str(tmp_path / "x.pt")
+    data.save(data.encode(value), path)
+    back = data.load(path)
+    assert torch.equal(back["t"], value["t"]) and back["t"].is_contiguous()
+    assert back["freed"] == data.Freed((4,), "torch.float32", 0)
+    assert back["n"] == 3 and back["list"][0] == 1.5 and back["list"][2][0] is True
+    assert back["list"][2][1].dtype == torch.bfloat16 and back["dtype"] == "torch.float64"
+    assert isinstance(back["object"], data.Described)
+    assert back["object"].text.startswith("builtins.object")
+
+
+def test_reading_data_runs_no_code(tmp_path):
+    """A file forged with a pickled object is refused: torch.load(weights_only=True)."""
+    path = str(tmp_path / "forged.pt")
+    torch.save({"x": Evidence}, path)  # a class: loading it would import and build objects
+    with pytest.raises(Exception, match="Weights only load failed|Unsupported"):
+        data.load(path)
+
+
+def test_a_replaced_function_is_seen_and_a_new_module_is_not(monkeypatch):
+    before = tamper.snapshot()
+    assert tamper.replaced(before) == []
+    import zerolab.grading.compare as compare
+    monkeypatch.setattr(compare, "_compare", lambda *a: None)
+    monkeypatch.setattr(torch.Tensor, "__eq__", lambda *a: True, raising=False)
+    assert tamper.replaced(before) == ["torch.Tensor.__eq__",
+                                       "zerolab.grading.compare._compare"]
+    monkeypatch.undo()
+    import json.tool  # noqa: F401  (a module imported later adds names: not a change)
+    assert tamper.replaced(before) == []
+
+
+def _call(op: str, nbytes: int, tag: str, dtype: str = "float32") -> dict:
+    return {"op": op, "tag": tag, "nbytes": nbytes, "dtype": dtype}
+
+
+def test_ranks_collectives_compared():
+    same = [_call("all_gather", 40, "a"), _call("send", 8, "r"), _call("all_gather", 8, "b")]
+    other = [_call("recv", 8, "r"), _call("all_gather", 40, "a"), _call("all_gather", 8, "b")]
+    assert flight.first_difference([same, other], finished=True) is None  # p2p aside
+    swapped = [_call("all_gather", 8, "b"), _call("all_gather", 40, "a")]
+    difference = flight.first_difference([same, swapped], finished=True)
+    assert difference.index == 0 and difference.tags_differ
+    assert flight.reordered([same, swapped])
+    assert "rank 1 all_gather of 8 bytes (float32, tag 'b')" in difference.describe()
+    uneven = [_call("all_gather", 40, "a"), _call("all_gather", 4, "b")]
+    difference = flight.first_difference([same, uneven], finished=True)
+    assert difference.index == 1 and not difference.tags_differ
+    # A rank that died early issued fewer: no difference unless the lists are complete.
+    assert flight.first_difference([same, same[:1]], finished=False) is None
+    assert flight.first_difference([same, same[:1]], finished=True).calls[1] is None
+    assert flight.dtypes([[_call("send", 8, "s", "float64")], [_call("recv", 4, "r")]]) == \
+        ["float32", "float64"]
+
+
+def test_a_stopped_run_is_explained():
+    timeout = crashes.explain(Stop("timeout", 0, key="k", case=2, label="c", stuck=[0, 1]),
+                              30.0, (), [], None)
+    assert timeout.timed_out and timeout.message.startswith(
+        "timed out after 30 s during case 'c': rank(s) [0, 1] never finished")
+    flood = crashes.explain(Stop("output", 0, case="import", output="x\ny"), 30.0, (), [], None)
+    assert "printed more than 1 MiB while importing your file" in flood.message
+    assert flood.printed == "x\ny"
+    exited = crashes.explain(Stop("exited", 1, code=0, case=0, label="c"), 30.0, (), [], None)
+    assert "your code ended the process (exit status 0) during case 'c'" in exited.message
+    flights = [[_call("all_gather", 40, "ex/a")], [_call("all_gather", 24, "ex/a")]]
+    killed = crashes.explain(Stop("killed", 1, code=-6, case=0, label="c"), 30.0, (), flights,
+                             None)
+    assert "rank 1 was killed by SIGABRT (exit code -6) during case 'c'" in killed.message
+    assert "differ at call 1" in killed.message and killed.mistake.kind == \
+        "the ranks issued different collectives"
+    mixed = [[_call("send", 16, "s", "float64")], [_call("recv", 8, "r", "float32")]]
+    assert crashes.explain(Stop("killed", 1, code=-6, case=0), 30.0, (), mixed,
+                           None).mistake.kind == "data sent and received in different dtypes"
+
+
+def test_the_ranks_hash_strings_differently():
+    """Rank r's host starts with PYTHONHASHSEED = HASH_SEEDS[r]: three processes that iterate
+    6.2's names in three different orders, as processes started one by one do."""
+    names = "{'embed.weight', 'norm.weight', 'head.bias', 'gain'}"
+    orders = [subprocess.run([sys.executable, "-c", f"print(list({names}))"], text=True,
+                             capture_output=True, env={"PYTHONHASHSEED": str(seed)}).stdout
+              for seed in HASH_SEEDS]
+    assert len(set(orders)) == len(HASH_SEEDS)

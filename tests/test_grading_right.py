@@ -1,0 +1,40 @@
+"""Correct answers written independently of the solutions (tests/grading_right/): the grader
+passes every one. It measures outputs, memory, collectives and bytes, not the solution's
+way of getting them. (The engines' correct variants are in test_grading_engines.py.)"""
+
+from pathlib import Path
+
+import pytest
+
+from zerolab import grading
+
+RIGHT = Path(__file__).resolve().parent / "grading_right"
+FUNCTIONS = [i for i, ex in grading.EXERCISES.items() if ex.kind != "engine"]
+
+
+@pytest.fixture(scope="module")
+def report() -> grading.Report:
+    return grading.grade(FUNCTIONS, path=RIGHT, timeout=240.0)
+
+
+@pytest.mark.parametrize("exercise_id", FUNCTIONS)
+def test_an_answer_written_otherwise_passes(report, exercise_id):
+    result = report[exercise_id]
+    assert result.status == "passed", str(result)
+
+
+def test_they_are_not_the_solutions():
+    """Each answer's body differs from its solution's (the files keep the docstrings)."""
+    from zerolab.grading import BEGIN, exercise_source
+    solutions = Path(__file__).resolve().parent.parent / "solutions"
+    for path in sorted(RIGHT.glob("ex*.py")):
+        bodies: list[str] = []
+
+        def keep(exercise_id: str, block: str, bodies: list[str] = bodies) -> str:
+            bodies.append(block.strip())
+            return block
+        exercise_source((solutions / path.name).read_text(), answer=keep)
+        mine = path.read_text()
+        assert BEGIN not in mine
+        for body in bodies:
+            assert body not in mine, (path.name, body[:60])

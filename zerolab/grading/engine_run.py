@@ -1,0 +1,157 @@
+"""One case of an engine exercise, run in the process that holds the engine: build the model,
+build the engine, train STEPS steps on the case's batches, and measure. All of it comes back as
+data (zerolab.grading.data) and is judged in the grader's process (engine_verdict.py).
+
+Memory is measured by the grader, not asked of the engine: zerolab.memory's tracker watches
+every storage the process allocates from before the model is built to the end of the case
+(everything the engine, its hooks, autograd and the optimizer hold), and on the measured step
+the grader sorts the live bytes by what it can see from outside the engine (engine_memory.py).
+
+Per step: the loss, the state dict full_state_dict() returned (and whether the previous one
+changed since: it must be a snapshot), the frozen parameters that got a .grad. On the measured
+step: live bytes at the end of each forward and backward, after step() and at the peak, and
+every collective with its phase, size, tag and whether it blocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerolab import comm, harness
+from zerolab.grading import flight
+from zerolab.grading.check import _is_stub
+from zerolab.grading.data import encode
+from zerolab.grading.engine_memory import Categories, Points, tracked
+from zerolab.grading.engine_model import (
+    BUCKET_BYTES,
+    GLOBAL_BATCH,
+    MEASURED,
+    STEPS,
+    Setting,
+    make_model,
+)
+from zerolab.grading.exercise import Case
+
+
+def _phase(log: comm.CommLog, start: float) -> str:
+    return next((s.name for s in log.spans if s.start <= start <= s.end), "between")
+
+
+class _Driver:
+    """Trains one engine on one case, step by step, and measures."""
+
+    def __init__(self, engine: Any, model: torch.nn.Module, setting: Setting, rank: int,
+                 world_size: int, group: dist.ProcessGroup | None, flight_path: str | None,
+                 categories: Categories):
+        self.engine, self.model, self.setting = engine, model, setting
+        self.categories = categories  # told what the grader holds: not the engine's bytes
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.flight_path = flight_path
+        self.previous: tuple[dict, Any] | None = None  # the last state dict, and its copy
+
+    def batches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        x, y = harness.local_batch(self.model.make_batch, GLOBAL_BATCH, self.setting.seed + step,
+                                   self.rank, self.world_size)
+        self.categories.hold([x, y])
+        k = self.setting.micro_batches
+        return list(zip(x.chunk(k), y.chunk(k)))
+
+    def train(self, step: int, points: Points | None) -> float:
+        """Forward and backward on each micro-batch, then step(); the loss."""
+        k = self.setting.micro_batches
+        loss = 0.0
+        for i, (x, y) in enumerate(self.batches(step), start=1):
+            with comm.span("forward"), points.saving() if points else contextlib.nullcontext():
+                out = self.model.loss(self.engine(x), y) / k
+            n = f" {i}" if k > 1 else ""
+            if points:
+                points.mark(f"at the end of forward{n}", f"forward{n}")
+            with comm.span("backward"):
+                out.backward()
+            loss += out.item()
+            del out
+            if points:
+                points.mark(f"at the end of backward{n}", f"backward{n}")
+        with comm.span("step"):
+            self.engine.step()
+        if points:
+            points.mark("after step()", "step()")
+        return loss
+
+    def finish(self, loss: float) -> dict[str, Any]:
+        """After step(): frozen parameters' .grad, zero_grad(), the state dict."""
+        frozen = [n for n, p in self.model.named_parameters()
+                  if not p.requires_grad and p.grad is not None]
+        stale = self.stale()
+        self.engine.zero_grad()
+        state = self.engine.full_state_dict()
+        encoded = encode(state)
+        self.categories.hold(encoded)
+        # Kept until the next step, to see whether it changes (not in the measured case: what
+        # a rank holds there is the engine's alone).
+        keep = isinstance(state, dict) and not self.setting.measured
+        self.previous = (state, encoded) if keep else None
+        return {"loss": loss, "state": encoded, "frozen grads": frozen, "stale": stale}
+
+    def stale(self) -> str | None:
+        """The last state dict's first tensor whose values changed since it was returned."""
+        if self.previous is None:
+            return None
+        state, copy = self.previous
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and isinstance(copy.get(key), torch.Tensor):
+                now = encode(value)
+                if not isinstance(now, torch.Tensor) or not torch.equal(now, copy[key]):
+                    return key
+        return None
+
+    def measured_step(self, step: int, categories: Categories,
+                      tracker: Any) -> dict[str, Any]:
+        """A step under the comm recorder, with live bytes at each point."""
+        points = Points(tracker, categories)
+        with comm.record_comm(self.group, align=False) as log:
+            stream = flight.streamed(log, self.flight_path) if self.flight_path else None
+            try:
+                loss = self.train(step, points)
+            finally:
+                if stream is not None:
+                    stream.close()
+        calls = [{"phase": _phase(log, e.start), "op": e.op, "nbytes": e.nbytes, "tag": e.tag,
+                  "async": e.async_op} for e in log.events]
+        return {**self.finish(loss), "memory": points.data(), "calls": calls,
+                "ring bytes": log.total_ring_bytes()}
+
+
+def run_case(stage_name: str, engine_cls: type, case: Case, rank: int, world_size: int,
+             group: dist.ProcessGroup | None, flight_path: str | None = None) -> dict[str, Any]:
+    """Train `engine_cls` (the learner's, or zerolab's reference) on one case; see above."""
+    [setting] = case.make(rank)
+    kwargs = dict(group=group, **setting.optimizer_kwargs)
+    if stage_name != "zero3":  # ZeRO-3 reduces a unit at a time: no bucket size to give
+        kwargs["bucket_bytes"] = BUCKET_BYTES
+    categories = Categories()
+    # Memory is measured on the measured case only, from before the model is built.
+    with tracked(categories) if setting.measured else contextlib.nullcontext() as tracker:
+        model = make_model()
+        engine = engine_cls(model, setting.optimizer_cls, **kwargs)  # zerolab's, or the learner's
+        categories.watch(model, engine)
+        driver = _Driver(engine, model, setting, rank, world_size, group, flight_path,
+                         categories)
+        steps = []
+        try:
+            # The measured case ends with its measured step: the other cases train longer.
+            for step in range(MEASURED + 1 if setting.measured else STEPS):
+                if setting.measured and step == MEASURED:
+                    steps.append(driver.measured_step(step, categories, tracker))
+                else:
+                    steps.append(driver.finish(driver.train(step, None)))
+        except NotImplementedError as e:
+            if _is_stub(e):  # the constructor ran: a method is still to write
+                e.zerolab_unwritten = True
+            raise
+    hooked = [n for n, p in model.named_parameters() if getattr(p, "_backward_hooks", None)]
+    return {"steps": steps, "tensor hooks": hooked}

@@ -1,0 +1,106 @@
+"""The processes a learner's code runs in, started from hosts that have imported torch already.
+
+Rank r of every grading run is forked by host r: a zygote (zerolab/launcher/zygote.py) started
+with its own string-hashing seed, HASH_SEEDS[r]. A forked process keeps its parent's seed, so
+ranks forked from one parent would all iterate a set of names in the same order; processes
+started one by one (torchrun, or spawn) do not, and code that issues a collective per name in
+set order then fails. Hosts with different seeds give the grader's ranks that difference. A
+plain exercise runs in rank 0's process of a run of its own (or of world size 1).
+
+The launcher's zygotes (one per rank index) draw random seeds; the grader's are fixed, so that
+a verdict does not depend on the draw. The hosts are started when a run first needs them, side
+by side (each imports torch: a few seconds), and live as long as this process. Where no zygote
+can run (not Linux), each process is spawned instead, with its seed in its environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from zerolab.grading.defaults import HASH_SEEDS
+from zerolab.launcher.spawn import spawn_rank
+from zerolab.launcher.zygote import ForkedRank, Zygote, ZygoteUnavailable
+
+_HOSTS: dict[int, Zygote | None] = {}  # rank -> its host; None: spawn instead
+_LOCK = threading.Lock()  # the environment is changed while a host starts
+
+
+def hash_seed(rank: int) -> int:
+    return HASH_SEEDS[rank] if rank < len(HASH_SEEDS) else rank + 1
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """os.environ with `values` set for the block: a process started in it inherits them."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def prepare(world_size: int) -> None:
+    """Start the hosts of ranks 0..world_size-1 that are missing (or dead), side by side."""
+    with _LOCK:
+        missing = [r for r in range(world_size) if r not in _HOSTS or (
+            _HOSTS[r] is not None and _HOSTS[r].process.poll() is not None)]
+        started: dict[int, Zygote | None] = {}
+        for r in missing:  # the zygote sets its own PYTHONHASHSEED from hash_seed
+            try:
+                started[r] = Zygote(hash_seed=hash_seed(r))
+            except ZygoteUnavailable:
+                started[r] = None
+        for r, host in started.items():  # each imports torch meanwhile
+            if host is None:
+                continue
+            try:
+                host._wait_ready()
+            except ZygoteUnavailable:
+                started[r] = None
+        _HOSTS.update(started)
+
+
+def _host(rank: int) -> Zygote | None:
+    prepare(rank + 1)
+    return _HOSTS[rank]
+
+
+def start(rank: int, target: Callable[..., Any], args: tuple, log_path: str,
+          workdir: str | None = None) -> Any:
+    """Start rank `rank`'s process running target(*args), its output going to log_path. The
+    result has .pid, .join(timeout), .is_alive(), .exitcode (negative: killed by a signal).
+    workdir: the run's folder, which the host removes if this process dies first."""
+    host = _host(rank)
+    if host is not None:
+        try:
+            return host.start(target, args, log_path, workdir=workdir)
+        except ZygoteUnavailable:
+            pass
+    with _LOCK, _environment(PYTHONHASHSEED=str(hash_seed(rank))):
+        return spawn_rank(target, args, log_path)
+
+
+def kill(process: Any) -> None:
+    """Kill a process and every process it started (it leads a process group of its own once
+    it runs: worker.serve makes it one), from outside: nothing it runs can stop this."""
+    pid = process.pid
+    if pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, signal.SIGKILL)
+    if isinstance(process, ForkedRank):
+        process.kill()
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,203 @@
+"""What each process of a grading run does: the only place a learner's code runs.
+
+`serve(workdir, rank, world_size)` is rank `rank` of a run (hosts.py starts it). The run's
+tasks, each a learner's file for one exercise, are in workdir/tasks.json. In order:
+
+1. Limits: the process leads a process group of its own (the grader kills it, and whatever it
+   started, from outside), and no file it writes may pass FILE_LIMIT bytes.
+2. The references, before any learner code is loaded: each distributed exercise's solution (an
+   engine exercise: zerolab's engine of its stage) on every case, written to ref-<id>-<rank>.pt.
+   The process then waits until the grader has read them all (the file `go`): what the learner's
+   answers are compared with is out of this process before the learner's code is in it.
+3. `tamper.snapshot()`, then each task: import the learner's file, run every case, write what
+   it returned (as data, got-<key>-<case>-<rank>.pt) and how it ended, then check that nothing
+   the grader measures with was replaced (at import or since: the task's verdict is then
+   "tampered", whatever its cases showed). A replaced function ends the run (a fresh one
+   grades the rest): the process is no longer the grader's.
+
+Everything that happens is appended to events-<rank>.jsonl as it happens (begin and end of
+each case, with its status), so that the grader knows where a process was when it stopped
+answering, exited, crashed or printed too much. Ranks agree after each case (a FileStore):
+when one raised, they all stop that task, and a rank left waiting for a peer that never comes
+ends its process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import time
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zerolab.grading import data, kinds, tamper
+from zerolab.grading.check import _is_stub, _learner_traceback, _load_module
+from zerolab.grading.defaults import FILE_LIMIT, GRACE
+from zerolab.grading.registry import EXERCISES
+
+
+class _Events:
+    """This rank's events file: one JSON object a line, written at once."""
+
+    def __init__(self, path: str, rank: int):
+        self._file = open(path, "a", buffering=1)
+        self.rank = rank
+
+    def write(self, **fields: Any) -> None:
+        self._file.write(json.dumps({"rank": self.rank, "time": time.time(), **fields}) + "\n")
+
+
+def _agree(store: dist.Store, key: str, status: str, rank: int, world_size: int,
+           wait: float) -> list[str] | None:
+    """Post this rank's status and read everyone's; None if a rank never posts."""
+    store.set(f"{key}/{rank}", status)
+    keys = [f"{key}/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=wait))
+    except Exception:  # a rank is still inside the learner's code
+        return None
+    return [store.get(k).decode() for k in keys]
+
+
+def _raised(e: BaseException, learner_file: str) -> dict[str, str]:
+    """How a case that raised ended: "stub" for the untouched exercise; an engine whose
+    constructor ran but a method is still the stub is "raised", and says so."""
+    unwritten = getattr(e, "zerolab_unwritten", False)
+    if _is_stub(e) and not unwritten:
+        return {"status": "stub"}
+    todo = " (a method still to write)" if unwritten else ""
+    return {"status": "raised", "message": f"{type(e).__name__}: {e}{todo}",
+            "traceback": _learner_traceback(e, learner_file)}
+
+
+class _Run:
+    """One rank's run of its tasks."""
+
+    def __init__(self, workdir: str, rank: int, world_size: int):
+        self.dir, self.rank, self.world_size = Path(workdir), rank, world_size
+        settings = json.loads((self.dir / "tasks.json").read_text())
+        self.tasks, self.timeout = settings["tasks"], settings["timeout"]
+        self.reference_ids = settings["references"]  # the others, the grader has already
+        torch.set_num_threads(settings["threads"])
+        self.events = _Events(str(self.dir / f"events-{rank}.jsonl"), rank)
+        self.distributed = any(EXERCISES[t["exercise"]].distributed for t in self.tasks)
+        if self.distributed:
+            store = dist.FileStore(str(self.dir / "rendezvous"), world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=self.timeout * 4))
+        self.store = dist.FileStore(str(self.dir / "agree"), world_size)
+        self.modules: dict[str, ModuleType | dict] = {}
+
+    def path(self, kind: str, *names: Any, suffix: str = "pt") -> str:
+        return str(self.dir / f"{kind}-{'-'.join(map(str, (*names, self.rank)))}.{suffix}")
+
+    # ---- 2. the references ------------------------------------------------------------------
+
+    def references(self) -> None:
+        for ex_id in self.reference_ids:
+            ex = EXERCISES[ex_id]
+            group = dist.new_group()  # every rank makes the same groups, in the same order
+            try:
+                reference = kinds.reference(ex)
+                found = [kinds.run(ex, reference, case, self.rank, self.world_size, group)
+                         for case in ex.cases(self.world_size)]
+            except Exception:
+                found = {"error": traceback.format_exc()}
+            data.save(found, self.path("ref", ex_id))
+        self.events.write(event="references")
+        go = self.dir / "go"
+        while not go.exists():  # the grader reads every rank's references, then writes `go`
+            time.sleep(0.01)
+
+    # ---- 3. the learner's files -------------------------------------------------------------
+
+    def load(self, learner_file: str) -> ModuleType | dict:
+        """The learner's module, imported once per run; or how importing it went wrong."""
+        if learner_file not in self.modules:
+            try:
+                self.modules[learner_file] = _load_module(Path(learner_file),
+                                                          prefix="_zerolab_learner")
+            except BaseException as e:  # SystemExit and KeyboardInterrupt too: a wrong answer
+                self.modules[learner_file] = {"status": "import failed",
+                                              "message": f"{type(e).__name__}: {e}",
+                                              "traceback": _learner_traceback(e, learner_file)}
+        return self.modules[learner_file]
+
+    def agree(self, key: str, index: Any, status: str, skippable: bool = False) -> list[str]:
+        """Every rank's status for this case; "skip" for all when the grader has already
+        found the task wrong (rank 0 looks, so that every rank decides alike)."""
+        failed = status != "returned"
+        statuses = _agree(self.store, f"{key}/{index}", status, self.rank, self.world_size,
+                          GRACE if failed else self.timeout + GRACE)
+        if statuses is None:  # a peer is stuck in the learner's code: the grader kills it
+            self.events.write(event="abandon", key=key, case=index)
+            os._exit(1)
+        if skippable and all(s == "returned" for s in statuses):
+            decided = f"{key}/{index}/skip"
+            if self.rank == 0:
+                self.store.set(decided, "1" if (self.dir / f"skip-{key}").exists() else "0")
+            self.store.wait([decided], datetime.timedelta(seconds=self.timeout))
+            if self.store.get(decided) == b"1":
+                return ["skip"]
+        return statuses
+
+    def task(self, task: dict, baseline: tamper.Snapshot) -> bool:
+        """Grade one task on this rank; False when the process is no longer fit to go on."""
+        key, ex, learner_file = task["key"], EXERCISES[task["exercise"]], task["learner"]
+        group = dist.new_group() if ex.distributed else None  # its stray messages stay there
+        self.events.write(event="begin", key=key, case="import", label="importing your file")
+        module = self.load(learner_file)
+        outcome: dict[str, Any] = {"status": "returned"}
+        if isinstance(module, dict):
+            outcome = module
+        elif not hasattr(module, ex.function):
+            outcome = {"status": "missing"}
+        self.events.write(event="end", key=key, case="import", **outcome)
+        if any(s != "returned" for s in self.agree(key, "import", outcome["status"])):
+            return outcome["status"] != "tampered"
+        fn = getattr(module, ex.function)
+        cases = ex.cases(self.world_size) if ex.distributed else ex.cases()
+        for index, case in enumerate(cases):
+            self.events.write(event="begin", key=key, case=index, label=case.label)
+            try:
+                found = kinds.run(ex, fn, case, self.rank, self.world_size, group,
+                                  self.path("flight", key, index, suffix="jsonl"))
+                data.save(found, self.path("got", key, index))
+                outcome = {"status": "returned"}
+            except BaseException as e:  # SystemExit too: the learner's code called exit()
+                outcome = _raised(e, learner_file)
+            self.events.write(event="end", key=key, case=index, **outcome)
+            if any(s != "returned" for s in self.agree(key, index, outcome["status"], True)):
+                break
+        changed = tamper.replaced(baseline)
+        status = "tampered" if changed else "returned"
+        self.events.write(event="done", key=key, status=status,
+                          message=", ".join(changed[:5]))
+        return all(s == "returned" for s in self.agree(key, "done", status))
+
+
+def serve(workdir: str, rank: int, world_size: int) -> None:
+    """Rank `rank` of a grading run: see the module docstring."""
+    # A process group of its own: the grader kills it and what it starts. (A rank forked by a
+    # zygote leads one already; a spawned one does not.)
+    if os.getsid(0) != os.getpid():
+        os.setsid()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+    run = _Run(workdir, rank, world_size)
+    run.references()
+    baseline = tamper.snapshot()
+    for task in run.tasks:
+        if not run.task(task, baseline):
+            run.events.write(event="tainted")
+            break
+    else:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        run.events.write(event="final", cpu=usage.ru_utime + usage.ru_stime)  # for the record
+    os._exit(0)  # no exit handlers: nothing of the learner's runs after this
