@@ -184,11 +184,14 @@ class _Watch:
         while True:
             now = time.monotonic()
             for r in self.ranks:
+                # Whether it ended first, then its events: a rank that ended after this read
+                # would otherwise look ended without its last events (a "final" written just
+                # before its exit), and a clean finish would pass for an exit.
+                r.process.join(0)
                 for event in r.read():
                     if (event.get("event") == "end" and isinstance(event.get("case"), int)
                             and event["status"] == "returned"):
                         self._returned(event)
-                r.process.join(0)
             if not go and all(r.last("references") for r in self.ranks):
                 for i in self.computed:
                     self.references[i] = [data.load(str(self.dir / f"ref-{i}-{r.rank}.pt"))

@@ -152,7 +152,7 @@ PREDICTIONS = {p.id: p for p in (
     PredictionExercise(
         "05.p1", "05_zero3", "predicted_all_gathers",
         "All-gathers rank 0 issues in one ZeRO-3 step with prefetch off, forward and backward "
-        "together", "count", measure=_MEASURED),
+        "together (the root stays gathered from forward to backward)", "count", measure=_MEASURED),
     PredictionExercise(
         "06.p1", "06_fsdp2", "predicted_fsdp2_bytes",
         "Model-state bytes rank 0 holds with torch's FSDP2 (fully_shard) after step(), N = 2, "
