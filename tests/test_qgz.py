@@ -268,3 +268,50 @@ def test_loss_with_qgz_stays_within_2_percent_of_fp32(lessons):
     assert final["fp32"] < lessons[0].curves["fp32"][0] - 0.5  # and training went somewhere
     rows = lesson.drift_table(lessons, last=10)
     assert rows[1].split()[:2] == ["fp32", str(CURVE_STEPS)] and rows[1].endswith("+0.00%")
+
+
+# ---- notebook 09's tables and its one launch -------------------------------------------------
+
+
+def test_lesson_bytes_inside_the_node_are_their_formula(lessons):
+    """fp32: a chunk to the other rank of the node; qgZ: the hop inside (theory.qgz_sent_bytes),
+    values and scales per unit. peer_table prints these, and what each peer got."""
+    units = len(n09_nodes.unit_numels())
+    for way in lesson.WAYS:
+        formula = lesson.formula_inside(way)
+        for rank, run in enumerate(lessons):
+            inside = run.gradients.to[way][rank ^ 1]  # the other rank of its node
+            assert formula <= inside <= formula + 2 * units * HEADERS, (way, rank)
+    assert lesson.formula_inside("qgZ int8") < lesson.formula_inside("fp32") / 1.9  # R = 2 chunks
+    rows = lesson.peer_table(lessons)
+    assert len(rows) == 1 + len(lesson.WAYS)
+    qgz_row = rows[2].split()  # "qgZ int8", to 1, to 2, to 3 (0: rank 0 sends rank 3 nothing)
+    assert qgz_row[:2] == ["qgZ", "int8"] and qgz_row[4] == "0"
+    assert qgz_row[3] == f"{lessons[0].gradients.across['qgZ int8']:,}"
+
+
+def test_traffic_table_takes_the_qgz_steps(lessons):
+    """n09_nodes.traffic_table over qgZ's steps: each row's measured share is across_mean / M;
+    its default (nodes_lesson's runs) is unchanged: the ZeRO++ row says qgZ was not measured."""
+    rows = n09_nodes.traffic_table(lessons, list(n09_nodes.QGZ_VARIANTS), lesson.PAPER_STEPS)
+    m = 4 * sum(n09_nodes.unit_numels().values())
+    for row, variant in zip(rows[2:], n09_nodes.QGZ_VARIANTS):
+        assert row.startswith(variant)
+        assert row.split("|")[2].split()[0] == f"{n09_nodes.across_mean(lessons, variant) / m:.3f}"
+    assert rows[2].split("|")[0].split()[-1] == "2.25"  # the paper's: 1 + 1 + 0.25
+    stand_in = n09_nodes.NodesLesson({v: lessons[0].traffic["qgZ"] for v in n09_nodes.VARIANTS},
+                                     {}, 0.0, 0.0, None, {})  # any step: only the last row counts
+    assert "(qgZ not built)" in n09_nodes.traffic_table([stand_in] * 4)[-1]
+
+
+def test_curve_drift_is_against_the_first_curve():
+    rows = lesson.curve_drift({"a": [4.0, 2.0, 2.0], "b": [4.0, 3.0, 2.2]}, last=2)
+    assert rows[1].split() == ["a", "3", "2.00", "+0.0%", "0.00"]
+    assert rows[2].split() == ["b", "3", "2.60", "+30.0%", "1.00"]
+
+
+def test_the_shared_fp32_curve_is_the_same_run_in_every_launch(lessons):
+    """notebook_lesson trains ZeRO-3's fp32 curve once for nodes_lesson and qgz_lesson: a
+    separate launch of it gives the same losses, bit for bit."""
+    again = zerolab.launch(n09_nodes.loss_curve, 4, args=(False, 3), timeout=300)
+    assert [r for r in again] == [run.curves["fp32"][:3] for run in lessons]

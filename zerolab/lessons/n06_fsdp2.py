@@ -232,7 +232,8 @@ def knob(label: str, baseline, config: GPTConfig = MODEL, warmup: int = 2,
     engine.zero_grad()
     if label.startswith("zerolab"):  # zerolab's own gathers: counted the same way, in c10d
         counter = _zerolab_gathers(engine, x, y)
-    ratio = None if baseline is None else paired_ratio(engine, baseline, x, y, pairs)
+    ratio = None if baseline is None or not pairs else paired_ratio(engine, baseline, x, y,
+                                                                     pairs)
     return Knob(forward_backward.peak_by_category, forward_backward.peak_bytes, step.peak_bytes,
                 counter.calls.get("all_gather", 0), counter.by_op.get("all_gather", 0),
                 None if peers is None else sum(peers.to.values()),
@@ -279,9 +280,10 @@ def paired_ratio(engine, baseline, x: torch.Tensor, y: torch.Tensor,
 
 def knobs(config: GPTConfig = MODEL, labels: tuple[str, ...] = tuple(KNOBS),
           pairs: int = KNOB_PAIRS) -> dict[str, Knob]:
-    """Run on every rank of a 4-rank launch: each of `labels`, measured (see KNOBS)."""
+    """Run on every rank of a 4-rank launch: each of `labels`, measured (see KNOBS).
+    `pairs=0`: no timing (every ratio None; the baselines are not built)."""
     baselines = {}
-    for label in (FSDP2_DEFAULT, ZERO3_DEFAULT):  # built and warmed up once, for the timings
+    for label in (FSDP2_DEFAULT, ZERO3_DEFAULT) if pairs else ():  # warmed up once, for timing
         model = GPT(config)
         baselines[label] = _knob_engine(label, model)
         for _ in range(2):
@@ -289,28 +291,33 @@ def knobs(config: GPTConfig = MODEL, labels: tuple[str, ...] = tuple(KNOBS),
     out = {}
     for label in labels:
         base = FSDP2_DEFAULT if KNOBS[label][0] == "fsdp2" else ZERO3_DEFAULT
-        out[label] = knob(label, None if label == base else baselines[base], config,
+        out[label] = knob(label, baselines.get(base) if label != base else None, config,
                           pairs=pairs)
     return out
 
 
-def knob_table(per_rank: list[dict[str, Knob]]) -> list[str]:
+def knob_table(per_rank: list[dict[str, Knob]], peak: bool = True) -> list[str]:
     """The measurements as a table: memory at the peaks (the largest over the ranks), rank 0's
-    gathers, bytes sent per rank and to the other node (means over the ranks), rank 0's time."""
-    rows = [f"{'':46}{'fwd+bwd':>8}{'params':>8}{'step':>8}{'gathers':>8}{'sent':>7}"
-            f"{'across':>7}{'time':>6}",
-            f"{'':46}{'KiB':>8}{'KiB':>8}{'KiB':>8}{'':>8}{'KiB':>7}{'KiB':>7}{'x':>6}"]
+    gathers, bytes sent per rank and to the other node (means over the ranks), rank 0's time
+    (a column only where the knobs were timed). `peak=False` leaves out the fwd+bwd peak:
+    with FSDP2's prefetch it moves from run to run by when its gathers' buffers come and go."""
+    timed = any(k.ratio is not None for k in per_rank[0].values())
+    rows = [f"{'':46}" + (f"{'fwd+bwd':>8}" if peak else "") + f"{'params':>8}{'step':>8}"
+            f"{'gathers':>8}{'sent':>7}{'across':>7}" + (f"{'time':>6}" if timed else ""),
+            f"{'':46}" + (f"{'KiB':>8}" if peak else "") + f"{'KiB':>8}{'KiB':>8}{'':>8}"
+            f"{'KiB':>7}{'KiB':>7}" + (f"{'x':>6}" if timed else "")]
     for label, k in per_rank[0].items():
         if k.error:
             rows.append(f"{label:46}{k.error[:60]}")
             continue
         runs = [r[label] for r in per_rank]
         ratio = "1" if k.ratio is None else f"{k.ratio:.2f}"
-        rows.append(f"{label:46}{max(r.peak for r in runs) / 2**10:8.0f}"
-                    f"{max(r.memory.get('params', 0) for r in runs) / 2**10:8.0f}"
+        rows.append(f"{label:46}" + (f"{max(r.peak for r in runs) / 2**10:8.0f}" if peak else "")
+                    + f"{max(r.memory.get('params', 0) for r in runs) / 2**10:8.0f}"
                     f"{max(r.step_peak for r in runs) / 2**10:8.0f}{k.gathers:8}"
                     f"{statistics.mean(r.sent or 0 for r in runs) / 2**10:7.0f}"
-                    f"{statistics.mean(r.across or 0 for r in runs) / 2**10:7.0f}{ratio:>6}")
+                    f"{statistics.mean(r.across or 0 for r in runs) / 2**10:7.0f}"
+                    + (f"{ratio:>6}" if timed else ""))
     return rows
 
 

@@ -204,17 +204,23 @@ def across_mean(runs: list[NodesLesson], variant: str) -> float:
     return sum(r.traffic[variant].across for r in runs) / len(runs)
 
 
-def traffic_table(runs: list[NodesLesson]) -> list[str]:
+def traffic_table(runs: list[NodesLesson], variants: list[str] | None = None,
+                  paper_counts: dict[str, tuple[float, ...]] | None = None) -> list[str]:
     """Per variant, in model sizes M (the paper's: Ψ 16-bit values; here: 4Ψ, fp32): the
-    paper's cross-node volume, the formula by phase for gloo on 2 nodes of 2, the measurement."""
+    paper's cross-node volume, the formula by phase for gloo on 2 nodes of 2, the measurement.
+    variants (default: VARIANTS, then PAPER's others, unmeasured) and paper_counts (default:
+    PAPER): for tables that take qgZ's measured steps too (lessons/n09_qgz.py)."""
     numels = unit_numels(MODEL, len(runs))
     m = 4 * sum(numels.values())
+    paper_counts = PAPER if paper_counts is None else paper_counts
+    if variants is None:
+        variants = [*VARIANTS, *(p for p in PAPER if p not in VARIANTS)]
     rows = [f"{'':21}{'paper':>6} | {'formula, x M':^27} | {'measured':^18}",
             f"{'':21}{'x M':>6} |{'fwd':>7}{'bwd':>7}{'grads':>7}{'total':>7} |"
             f"{'x M':>7}{'- formula':>11}"]
-    for v in [*VARIANTS, *(p for p in PAPER if p not in VARIANTS)]:
-        paper = f"{sum(PAPER[v]):6.2f}" if v in PAPER else f"{'-':>6}"
-        if v not in VARIANTS:
+    for v in variants:
+        paper = f"{sum(paper_counts[v]):6.2f}" if v in paper_counts else f"{'-':>6}"
+        if v not in runs[0].traffic:
             rows.append(f"{v:21}{paper} | {'(qgZ not built)':^27} |")
             continue
         by_phase, measured = formula(v, numels, len(runs)), across_mean(runs, v)

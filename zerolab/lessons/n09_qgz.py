@@ -157,3 +157,81 @@ def drift_table(runs: list[QgzLesson], last: int = LAST) -> list[str]:
         rows.append(f"{way:9}{steps:>6}{loss:>24.4f}"
                     f"{100 * (loss - final['fp32']) / final['fp32']:>+8.2f}%")
     return rows
+
+
+# ---- notebook 09: one launch, and the tables that join qgZ's steps to the other variants -------
+
+
+def notebook_lesson(folder: str, curve_steps: int = n09_nodes.CURVE_STEPS
+                    ) -> tuple[n09_nodes.NodesLesson, QgzLesson]:
+    """Notebook 09's one 4-rank launch: n09_nodes.nodes_lesson and qgz_lesson, each as it
+    measures alone, except that ZeRO-3's fp32 loss curve is trained once for both (the same
+    run, deterministic on a CPU): four curves of `curve_steps` steps instead of five."""
+    nodes = n09_nodes.nodes_lesson(folder, curve_steps=0)
+    qgz = qgz_lesson(curve_steps)
+    nodes.curves = {"fp32": qgz.curves["fp32"], "int8": n09_nodes.loss_curve(True, curve_steps)}
+    return nodes, qgz
+
+
+def formula_inside(way: str, world_size: int = 4, node_size: int = NODE) -> int:
+    """Bytes one rank sends inside its node for one step's gradients (MODEL's units)."""
+    numels, bits = n09_nodes.unit_numels(n09_nodes.MODEL, world_size), WAYS[way]
+    if bits is None:  # a chunk of 4p/N to each of the k - 1 other ranks of its node
+        return sum((node_size - 1) * 4 * p // world_size for p in numels.values())
+    return sum(theory.qgz_sent_bytes(p, world_size, node_size, bits)[0] for p in numels.values())
+
+
+def peer_table(runs: list[QgzLesson], rank: int = 0) -> list[str]:
+    """One rank, one backward's gradients each way: bytes to each peer (* = another node), and
+    its totals inside its node and to the other node against their formulas."""
+    sent, world_size = runs[rank].gradients.to, len(runs)
+    peers = [p for p in range(world_size) if p != rank]
+    mark = {p: "*" if p // NODE != rank // NODE else " " for p in peers}
+    rows = [f"{'':9}" + "".join(f"{mark[p] + 'to ' + str(p):>9}" for p in peers)
+            + f" |{'inside':>9}{'formula':>9} |{'across':>9}{'formula':>9}"]
+    for way in WAYS:
+        to = sent[way]
+        inside = sum(b for p, b in to.items() if mark[p] == " ")
+        rows.append(f"{way:9}" + "".join(f"{to.get(p, 0):>9,}" for p in peers)
+                    + f" |{inside:>9,}{formula_inside(way, world_size):>9,}"
+                    f" |{runs[rank].gradients.across[way]:>9,}"
+                    f"{formula_across(way, world_size):>9,}")
+    return rows
+
+
+# The paper's cross-node count per step (M = Ψ 16-bit values) by phase, qgZ alone included.
+PAPER_STEPS = {**n09_nodes.PAPER, "qgZ": (1.0, 1.0, 0.25)}
+STEP_VARIANTS = [*n09_nodes.VARIANTS, *n09_nodes.QGZ_VARIANTS]  # every measured step
+
+
+@dataclass
+class Steps:
+    """One rank's measured training steps, every variant of STEP_VARIANTS."""
+
+    traffic: dict[str, n09_nodes.Traffic]
+
+
+def all_steps(runs: list[n09_nodes.NodesLesson], qgz_runs: list[QgzLesson]) -> list[Steps]:
+    """Per rank, the steps nodes_lesson measured and qgz_lesson's, in one table's input."""
+    return [Steps({**n.traffic, **q.traffic}) for n, q in zip(runs, qgz_runs)]
+
+
+def traffic_table(steps: list[Steps]) -> list[str]:
+    """n09_nodes.traffic_table over every variant, qgZ alone and ZeRO++ whole included."""
+    return n09_nodes.traffic_table(steps, STEP_VARIANTS, PAPER_STEPS)
+
+
+def curve_drift(curves: dict[str, list[float]], last: int = LAST) -> list[str]:
+    """Per named loss curve (the first is the reference): steps, the mean loss over the last
+    `last` steps, its drift from the reference's in %, and the largest difference at any step.
+    Rounded to what reads the same on any machine: the ranks' torch threads follow the cores,
+    and 200 steps carry a different summation order into the third decimal."""
+    reference = next(iter(curves.values()))
+    ref_end = sum(reference[-last:]) / len(reference[-last:])
+    rows = [f"{'':22}{'steps':>6}{f'final (last {last})':>18}{'drift':>8}{'max |diff|':>12}"]
+    for name, curve in curves.items():
+        end = sum(curve[-last:]) / len(curve[-last:])
+        worst = max(abs(a - b) for a, b in zip(curve, reference))
+        rows.append(f"{name:22}{len(curve):>6}{end:>18.2f}{100 * (end - ref_end) / ref_end:>+7.1f}%"
+                    f"{worst:>12.2f}")
+    return rows
