@@ -44,7 +44,8 @@ class ZeRO3Engine:
       unit's output tensors): all-gather its shards into the full buffers (tags
       "zero3/fwd/<unit name>" and "zero3/bwd/<unit name>") and point the parameters at them.
       The root is gathered from the start to the end of the model's forward, and again for
-      its backward. Gathering the next unit ahead (prefetch) is allowed, not required.
+      its backward (zerolab.zero3.ZeRO3 keeps it gathered in between, as FSDP2 does; not
+      here). Gathering the next unit ahead (prefetch) is allowed, not required.
     - reshard(unit) right after its forward and after its backward frees the unit's full
       parameters. Freed means the memory is gone, measured (below), whoever still points at
       it: autograd keeps views of a unit's parameters from its forward until its backward.
@@ -55,10 +56,11 @@ class ZeRO3Engine:
     - full_state_dict() gathers every unit (a collective: every rank calls it) and returns a
       snapshot of the full state_dict().
 
-    Measured, against zerolab.zero3.ZeRO3 (without prefetch) on the same batches (1 to 3
-    ranks; SGD with one and with two backward passes per step, AdamW with two): the
-    parameters after every step; every live tensor on the rank, counted by the grader (not
-    what your engine says it holds), at the end of each forward and backward and after step()
+    Measured, against zerolab.zero3.ZeRO3 (without prefetch, the root gathered again for
+    backward) on the same batches (1 to 3 ranks; SGD with one and with two backward passes
+    per step, AdamW with two): the parameters after every step; every live tensor on the
+    rank, counted by the grader (not what your engine says it holds), at the end of each
+    forward and backward and after step()
     (at most zerolab's + padding: after step() 16Ψ/N with fp32 AdamW, frozen layers sharded
     too) and at the step's peak (at most zerolab's + one unit); all_gather in forward,
     all_gather and reduce_scatter in backward, one per unit and buffer, in running order,
