@@ -157,6 +157,21 @@ def test_model_load_state_dict_fills_every_engine(runs, reference_state_dicts):
             assert got["missing"] and all(k.startswith("blocks.1.") for k in got["missing"])
 
 
+def test_engine_state_dict_round_trips_per_rank_through_torch_save(runs):
+    """engine.state_dict(), this rank's part, saved with torch.save and read with torch.load's
+    defaults (weights_only) into a fresh engine: the same parameters, and two more steps train
+    to the same bits (Adam's state came back too); a full state dict loads as well; another
+    rank's part is refused, naming the calls that change the world size."""
+    _, results = runs
+    for key in H.ENGINES:
+        for rank, r in enumerate(results):
+            got = dict(r["engine_state"][key])
+            refused = got.pop("refused")
+            assert got == {"same_loaded": True, "same_trained_on": True, "full_form": True}, (
+                key, rank)
+            assert f"'rank': {rank}" in refused and "zerolab.checkpoint.save" in refused, refused
+
+
 def test_batchnorm_buffers_follow_torch_ddp(runs):
     """Rank 0's buffers are broadcast before each training forward (torch's DDP default):
     parameters, every rank's own buffers and eval outputs as torch's DDP; the broadcasts are

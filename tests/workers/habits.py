@@ -251,6 +251,43 @@ def state_dicts(key: str) -> dict:
             "missing": sorted(missing)}
 
 
+def engine_state_dicts(key: str) -> dict:
+    """engine.state_dict() (this rank's part) through torch.save and torch.load (weights_only,
+    torch's default) into a fresh engine of other seeds, which must then hold and train on
+    exactly as the saved one does; and engine.load_state_dict() of a full state dict."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = gpt(seed=rank)
+    engine = make(key, model)
+    loop("engine.zero_grad", model, engine, engine.optimizer, engine, rank, world_size)
+    buffer = io.BytesIO()
+    torch.save(engine.state_dict(), buffer)
+    buffer.seek(0)
+    fresh_model = gpt(seed=rank + 11)
+    fresh = make(key, fresh_model)
+    part = torch.load(buffer)
+    try:  # another rank's part: refused, naming what loads at another world size
+        fresh.load_state_dict({**part, "zerolab_part": {**part["zerolab_part"],
+                                                        "rank": (rank + 1) % world_size}})
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    fresh.load_state_dict(part)
+    same_loaded = harness.max_diff(fresh.full_state_dict(), engine.full_state_dict()) == 0
+    for step in range(STEPS, STEPS + 2):  # Adam's moments and step count restored: the same
+        for m, e in ((model, engine), (fresh_model, fresh)):
+            x, y = batch(m, step, rank, world_size)
+            m.loss(e(x), y).backward()
+            e.step()
+            e.zero_grad()
+    other = make(key, gpt(seed=5))
+    other.load_state_dict({"model": engine.full_state_dict()})
+    saved = engine.full_state_dict()
+    return {"same_loaded": same_loaded,
+            "same_trained_on": harness.max_diff(fresh.full_state_dict(), saved) == 0,
+            "full_form": harness.max_diff(other.full_state_dict(), saved) == 0,
+            "refused": refused}
+
+
 def reference_state_dicts() -> dict:
     """One process: STEPS steps, then 2 more with a fresh optimizer (a model-only reload)."""
     model = gpt()
@@ -295,7 +332,8 @@ def copies(key: str) -> dict:
 # ---- everything, one launch --------------------------------------------------------------------
 
 def habits() -> dict:
-    out: dict = {"engines": {}, "torch_ddp": {}, "state_dicts": {}, "prefetch": {}}
+    out: dict = {"engines": {}, "torch_ddp": {}, "state_dicts": {}, "engine_state": {},
+                 "prefetch": {}}
     for habit in HABITS:
         out["torch_ddp"][habit] = run_torch_ddp(habit)
         for key in ENGINES:
@@ -308,6 +346,7 @@ def habits() -> dict:
         out["engines"]["batchnorm, no broadcast", key] = run_engine(
             key, "batchnorm", broadcast_buffers=False)
         out["state_dicts"][key] = state_dicts(key)
+        out["engine_state"][key] = engine_state_dicts(key)
     out["copies"] = {key: copies(key) for key in ("ddp", "zero1", "zero2")}
     for key in ("zero1", "zero2"):  # overlap opted into: readers of the model wait
         for habit in ("state_dict after step", "two_backward"):

@@ -17,6 +17,8 @@ import torch
 from zerolab.parts.buffers import broadcast_coalesced
 from zerolab.parts.clipping import clip_grad_norm_
 from zerolab.parts.habits import hook_module_state
+from zerolab.parts.rank_state import load_rank_state_dict, rank_state_dict
+from zerolab.parts.state_dicts import load_engine_state_dict
 from zerolab.parts.storages import model_state_bytes
 from zerolab.sharding import Slot
 
@@ -83,3 +85,28 @@ class EngineBase:
             broadcast_coalesced([state[n] for n, _ in self.module.named_buffers() if n in state],
                                 self.job_group, f"{self.name}/state_dict/buffers")
         return state
+
+    # Note: torch's engines name two forms of state. FSDP2's model.state_dict() is sharded
+    # (each rank its DTensors); torch.distributed.checkpoint writes that form for any world
+    # size. Here: model.state_dict() gives full tensors (parts/habits.py, for the torch.save
+    # habit); engine.state_dict() gives this rank's part, for torch.save per rank and a load
+    # at the same world size; zerolab.checkpoint.save(engine, folder) writes DCP, any size.
+
+    def state_dict(self) -> dict:
+        """This rank's part of the model and the optimizer, copied: {"model": {key: a tensor,
+        or {"shape", "dtype", "pieces": [(offsets, tensor)]}}, "optimizer": {"state": ..,
+        "param_groups": ..}}, keyed like the plain model (parts/state_dicts.py). No collective.
+        torch.save(engine.state_dict(), f"rank{rank}.pt") on every rank, then
+        engine.load_state_dict(torch.load(...)) at the same world size."""
+        return rank_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load this rank's part (what state_dict() gave on this rank), or a full state dict
+        ({"model": a plain model's state_dict(), "optimizer": optional, torch's keys}, e.g.
+        zerolab.checkpoint.consolidate's): every rank takes its own part of it."""
+        model = state_dict["model"]
+        if any(isinstance(v, dict) and "pieces" in v for v in model.values()):
+            load_rank_state_dict(self, state_dict)
+        else:
+            load_engine_state_dict(self, state_dict)
+

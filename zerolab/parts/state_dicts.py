@@ -434,3 +434,4 @@ def load_engine_state_dict(engine, full: dict) -> None:
     engine.wait_params()
     fill(loading.sd, {MODEL: model, OPTIMIZER: optimizer})
     finish_load(engine, loading)
+
