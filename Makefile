@@ -3,8 +3,9 @@
 #   make test   install what is missing, then run every test (unit tests and the notebooks)
 #
 # The virtual environment sees the system's packages, so a torch that is already installed (CPU
-# or CUDA) is used as it is. Where none is, TORCH is installed: the CPU build by default;
-# on a machine with an NVIDIA driver, plain `torch` (the CUDA build). Override with TORCH=...
+# or CUDA) is used as it is. Where none is, TORCH is installed: torch==2.13.0 (on Linux, PyPI's
+# is the CUDA build, which runs on a CPU too; README.md says how to get the CPU build), or plain
+# `torch` on a machine with an NVIDIA driver. Override with TORCH=...
 #
 # `make lab LAB_ARGS="--no-browser --port 8890"` hands options on to JupyterLab.
 

@@ -425,3 +425,18 @@ def test_nccl_all_reduce_on_gpus(no_leftover_ranks):
         assert r["device"] == f"cuda:{rank}"
         assert r["current"] == rank
         assert r["value"].item() == expected
+
+
+def test_a_failed_start_is_named_by_its_exception_not_by_output_flushed_after_it():
+    """Without PYTHONUNBUFFERED a rank's stdout reaches its log at exit, after the traceback
+    on stderr: the headline must still be the exception."""
+    from zerolab.launcher import diagnose
+
+    output = ("zerolab: this rank failed while starting\n"
+              "Traceback (most recent call last):\n"
+              '  File "script.py", line 12, in <module>\n'
+              '    raise RuntimeError("this line fails in a new process only")\n'
+              "RuntimeError: this line fails in a new process only\n"
+              "printed at the top\n")
+    assert diagnose._raised(output) == "RuntimeError: this line fails in a new process only"
+    assert diagnose._raised("no traceback here\nlast line\n") == "last line"

@@ -248,14 +248,27 @@ def failure(rank: int, exitcode: int | None, error: str, output: str,
     elif STARTUP_FAILED in output or (
             "Traceback" in output and ("spawn_main" in output or "_bootstrap" in output)):
         # a traceback from multiprocessing's start-up code: before the worker could catch it
-        last_line = output.strip().splitlines()[-1]
-        head = (f"rank {rank} failed while starting, before it ran {fn_name}: {last_line}\n"
+        head = (f"rank {rank} failed while starting, before it ran {fn_name}: "
+                f"{_raised(output)}\n"
                 f"{STARTUP_FIX}")
     else:
         head = (f"rank {rank} exited with code {exitcode} without a Python exception: the "
                 f"function, or a library it called, ended the process (os._exit, sys.exit in "
                 f"a thread, exit() in native code).")
     return WorkerError(rank, head + section + _output_section(rank, output), explanation)
+
+
+def _raised(output: str) -> str:
+    """The exception line the output's last traceback ends with (its first unindented line
+    after "Traceback ..."), else the last line. Not simply the last line: a rank's stdout,
+    buffered when it is not a terminal, can reach the log after its traceback."""
+    lines = output.strip().splitlines()
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback")), default=None)
+    if start is not None:
+        for line in lines[start + 1:]:
+            if line and not line[0].isspace():
+                return line
+    return lines[-1] if lines else ""
 
 
 def _output_section(rank: int, output: str, head: int = 10, tail: int = 30) -> str:

@@ -161,6 +161,19 @@ class Knob:
     error: str = ""  # where the setting does not run here: the error torch raised
 
 
+# torch's words for "no accelerator to pin host memory for" differ by build: its CPU build says
+# the first, its CUDA build on a machine without a GPU the second.
+NO_ACCELERATOR = ("Cannot access accelerator device when none is available",
+                  "Found no NVIDIA driver on your system")
+
+
+def _said(e: Exception) -> str:
+    """The error, as the same line whichever torch build raised it."""
+    if isinstance(e, RuntimeError) and any(m in str(e) for m in NO_ACCELERATOR):
+        return f"RuntimeError: {NO_ACCELERATOR[0]}. (no accelerator to pin memory for)"
+    return f"{type(e).__name__}: {e}"
+
+
 class _KnobbedFSDP2:
     """zerolab.bench.baselines.TorchFSDP2 with FSDP2's knobs: `blocks` and `root` are
     fully_shard's keyword arguments for the blocks and for the root."""
@@ -220,7 +233,7 @@ def knob(label: str, baseline, config: GPTConfig = MODEL, warmup: int = 2,
         for _ in range(warmup):
             harness.train_step(engine, x, y)
     except (RuntimeError, ValueError) as e:  # the same on every rank: all of them skip it
-        return Knob({}, 0, 0, 0, 0, None, None, None, f"{type(e).__name__}: {e}")
+        return Knob({}, 0, 0, 0, 0, None, None, None, _said(e))
     dist.barrier()
     with record_peer_bytes() as peers, CollectiveCounter() as counter:
         with track_memory(engine.state_tensors, activations=True) as forward_backward:
