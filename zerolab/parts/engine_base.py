@@ -17,7 +17,7 @@ import torch
 from zerolab.parts.buffers import broadcast_coalesced
 from zerolab.parts.clipping import clip_grad_norm_
 from zerolab.parts.habits import hook_module_state
-from zerolab.parts.rank_state import load_rank_state_dict, rank_state_dict
+from zerolab.parts.rank_state import WHOSE, load_rank_state_dict, rank_state_dict
 from zerolab.parts.state_dicts import load_engine_state_dict
 from zerolab.parts.storages import model_state_bytes
 from zerolab.sharding import Slot
@@ -104,8 +104,7 @@ class EngineBase:
         """Load this rank's part (what state_dict() gave on this rank), or a full state dict
         ({"model": a plain model's state_dict(), "optimizer": optional, torch's keys}, e.g.
         zerolab.checkpoint.consolidate's): every rank takes its own part of it."""
-        model = state_dict["model"]
-        if any(isinstance(v, dict) and "pieces" in v for v in model.values()):
+        if WHOSE in state_dict:  # a rank's part says whose it is
             load_rank_state_dict(self, state_dict)
         else:
             load_engine_state_dict(self, state_dict)
