@@ -188,7 +188,7 @@ class _KnobbedFSDP2:
             fully_shard,
         )
 
-        from zerolab.bench.baselines import TorchFSDP2, _TorchEngine
+        from zerolab.bench.baselines import TorchFSDP2, _TorchEngine, parameter_slots
 
         common: dict = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))}
         if mixed:
@@ -207,7 +207,7 @@ class _KnobbedFSDP2:
         engine = TorchFSDP2.__new__(TorchFSDP2)
         _TorchEngine.__init__(engine, model, None)
         engine.sharded = list(model.parameters())
-        engine.modules = list(model.modules())  # where FSDP2 registers gathered parameters
+        engine.slots = parameter_slots(model)  # where FSDP2 registers gathered parameters
         engine.optimizer = engine.local_optimizer = optimizer_cls(engine.sharded,
                                                                   **optimizer_kwargs)
         return engine
