@@ -5,6 +5,8 @@ norm against torch's clip_grad_norm_ (2 ranks)."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 from workers import engines as W
@@ -58,6 +60,26 @@ def test_cpu_offload_with_pinned_memory_needs_an_accelerator(at4):
     table = n06_fsdp2.knob_table([r["knobs"] for r in at4])
     assert any("CPUOffloadPolicy()" in row and "accelerator" in row for row in table)
     assert all(k.ratio is None or k.ratio > 0 for k in at4[0]["knobs"].values())
+
+
+def test_every_knob_that_runs_is_timed_against_its_default(at4):
+    per_rank = [r["knobs"] for r in at4]
+    defaults = {"FSDP2 defaults", "zerolab ZeRO-3"}
+    for label, k in per_rank[0].items():
+        timed = not k.error and label not in defaults
+        assert all((r[label].ratio is not None) == timed for r in per_rank), label
+    rows = n06_fsdp2.knob_times(per_rank)
+    assert len(rows) == 1 + sum(not k.error for k in per_rank[0].values())
+    for row in rows[1:]:
+        label = row[:46].strip()
+        if label in defaults:
+            assert row.endswith("(the default)")
+            continue
+        ratios = sorted(r[label].ratio for r in per_rank)
+        expected = (statistics.median(ratios), ratios[0], ratios[-1])  # 4 ranks: 2 middles
+        assert row[46:].replace(" to ", " ").split() == [f"{x:.2f}" for x in expected], row
+    assert "time" not in n06_fsdp2.knob_table(per_rank, times=False)[0]
+    assert n06_fsdp2.knob_table(per_rank)[0].rstrip().endswith("time")
 
 
 def test_reshard_after_forward_false_trains_as_zero3_does(at4):

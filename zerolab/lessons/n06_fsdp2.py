@@ -309,12 +309,14 @@ def knobs(config: GPTConfig = MODEL, labels: tuple[str, ...] = tuple(KNOBS),
     return out
 
 
-def knob_table(per_rank: list[dict[str, Knob]], peak: bool = True) -> list[str]:
+def knob_table(per_rank: list[dict[str, Knob]], peak: bool = True,
+               times: bool = True) -> list[str]:
     """The measurements as a table: memory at the peaks (the largest over the ranks), rank 0's
     gathers, bytes sent per rank and to the other node (means over the ranks), rank 0's time
-    (a column only where the knobs were timed). `peak=False` leaves out the fwd+bwd peak:
-    with FSDP2's prefetch it moves from run to run by when its gathers' buffers come and go."""
-    timed = any(k.ratio is not None for k in per_rank[0].values())
+    (a column only where the knobs were timed and `times`). `peak=False` leaves out the
+    fwd+bwd peak: with FSDP2's prefetch it moves from run to run by when its gathers' buffers
+    come and go."""
+    timed = times and any(k.ratio is not None for k in per_rank[0].values())
     rows = [f"{'':46}" + (f"{'fwd+bwd':>8}" if peak else "") + f"{'params':>8}{'step':>8}"
             f"{'gathers':>8}{'sent':>7}{'across':>7}" + (f"{'time':>6}" if timed else ""),
             f"{'':46}" + (f"{'KiB':>8}" if peak else "") + f"{'KiB':>8}{'KiB':>8}{'':>8}"
@@ -331,6 +333,22 @@ def knob_table(per_rank: list[dict[str, Knob]], peak: bool = True) -> list[str]:
                     f"{statistics.mean(r.sent or 0 for r in runs) / 2**10:7.0f}"
                     f"{statistics.mean(r.across or 0 for r in runs) / 2**10:7.0f}"
                     + (f"{ratio:>6}" if timed else ""))
+    return rows
+
+
+def knob_times(per_rank: list[dict[str, Knob]]) -> list[str]:
+    """Each timed setting's step time / its default's (the paired ratios of `knob`): the
+    median over the ranks of each rank's median, and the smallest and largest rank's."""
+    rows = [f"{'step time / its default':>61}{'ranks':>13}"]
+    for label, k in per_rank[0].items():
+        if k.error:
+            continue
+        if k.ratio is None:
+            rows.append(f"{label:46}{'(the default)':>15}")
+            continue
+        ratios = sorted(r[label].ratio for r in per_rank)
+        rows.append(f"{label:46}{statistics.median(ratios):15.2f}"
+                    f"{ratios[0]:8.2f} to {ratios[-1]:.2f}")
     return rows
 
 
