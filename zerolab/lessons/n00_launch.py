@@ -50,7 +50,7 @@ class PairSums:
     pair_sum: int  # all-reduce over the pair only: (2k + 1) + (2k + 2)
 
 
-def first_all_reduce(late_seconds: float = 0.05) -> FirstAllReduce:
+def first_all_reduce(late_seconds: float = 0.25) -> FirstAllReduce:
     """Who am I, and the first collective: every rank adds its vector into everyone's.
 
     Rank r contributes x_r = (r + 1) * [1, 10, 100] (3,), and `all_reduce` (sum) overwrites

@@ -26,6 +26,7 @@ import contextlib
 import os
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -55,32 +56,62 @@ class PeerBytes:
         return sum(b for peer, b in self.to.items() if peer // node_size == self.rank // node_size)
 
 
+def _tcp_sockets() -> Iterator[socket.socket]:
+    """This process's connected TCP sockets, each as a second handle (closing it keeps the fd)."""
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            s = socket.socket(fileno=os.dup(int(fd)))
+        except OSError:
+            continue
+        with s:
+            if s.family in (socket.AF_INET, socket.AF_INET6) and s.type == socket.SOCK_STREAM:
+                yield s
+
+
 def connections() -> dict[tuple[Address, Address], int] | None:
     """{(local address, peer address): bytes sent so far} for this process's TCP connections."""
     if not hasattr(socket, "TCP_INFO") or not os.path.isdir("/proc/self/fd"):
         return None
     out = {}
-    for fd in os.listdir("/proc/self/fd"):
+    for s in _tcp_sockets():
         try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            s = socket.socket(fileno=os.dup(int(fd)))  # a second handle: closing it keeps fd
-        except OSError:
+            peer, local = s.getpeername()[:2], s.getsockname()[:2]
+            info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError:  # a listening socket has no peer
             continue
-        with s:
-            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
-                continue
-            try:
-                peer, local = s.getpeername()[:2], s.getsockname()[:2]
-                info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-            except OSError:  # a listening socket has no peer
-                continue
-            if len(info) >= _TCP_INFO_BYTES_RETRANS + 8:
-                sent, resent = struct.unpack_from("QQ", info, _TCP_INFO_BYTES_SENT)
-                out[(local, peer)] = sent - resent
-            else:
-                out[(local, peer)] = struct.unpack_from("Q", info, _TCP_INFO_BYTES_ACKED)[0]
+        if len(info) >= _TCP_INFO_BYTES_RETRANS + 8:
+            sent, resent = struct.unpack_from("QQ", info, _TCP_INFO_BYTES_SENT)
+            out[(local, peer)] = sent - resent
+        else:
+            out[(local, peer)] = struct.unpack_from("Q", info, _TCP_INFO_BYTES_ACKED)[0]
     return out
+
+
+def wait_sent(timeout: float = 5.0) -> bool:
+    """Wait until every byte this process has written to its TCP sockets has left them (each
+    send queue empty: SIOCOUTQ, bytes the peer has not yet acknowledged); whether it did
+    within `timeout` seconds. A write returns once its bytes are queued, and the connection's
+    counter grows as they are sent: on a busy machine the last bytes of a block can still be
+    queued when it ends, and read then, they would be missed."""
+    import fcntl  # Unix only, as the counters are
+    import termios
+
+    deadline = time.monotonic() + timeout
+    while True:
+        queued = 0
+        for s in _tcp_sockets():
+            try:
+                queued += struct.unpack("i", fcntl.ioctl(s.fileno(), termios.TIOCOUTQ,
+                                                         b"\0" * 4))[0]
+            except OSError:  # a listening socket
+                continue
+        if not queued:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
 
 
 @contextlib.contextmanager
@@ -99,6 +130,8 @@ def record_peer_bytes() -> Iterator[PeerBytes | None]:
     before = connections()
     sent = PeerBytes(rank) if before is not None and dist.get_backend() == "gloo" else None
     yield sent
+    if sent is not None:
+        wait_sent()
     after = connections()
     if sent is None or after is None:
         return
