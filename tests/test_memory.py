@@ -372,9 +372,11 @@ def test_work_after_each_op_does_not_grow_with_the_optimizers_tensors():
 
 def test_a_dtensor_counts_its_local_shard_not_the_whole_tensor():
     """A DTensor holds no memory of its own (its storage reports the global size but has no
-    data): the tracker counts the local shard its op made, on every rank."""
+    data): the tracker counts the local shard its op made, on every rank; so does the grader's
+    (a learner's engine may hold DTensors)."""
     for res in zerolab.launch(WM.dtensor_op_bytes, 2, timeout=120):
         assert res["peak"] == res["local"] == res["global"] // 2
+        assert res["grader"] == res["grader_local"] == res["global"] // 2
 
 
 @pytest.mark.parametrize("engine_cls", ["ZeRO2", "ZeRO3"])

@@ -26,7 +26,13 @@ from typing import Any
 
 import torch
 
-from zerolab.memory import MemoryTrace, SavedForBackward, _Tracker, optimizer_tensors
+from zerolab.memory import (
+    MemoryTrace,
+    SavedForBackward,
+    _Tracker,
+    inner_tensors,
+    optimizer_tensors,
+)
 from zerolab.parts.nest import tensors_in
 
 GRADER = "grader"
@@ -122,8 +128,9 @@ class Tracker(_Tracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tensors_in(out):
-            self.watch(t)
+        # A tensor subclass's own tensors (a DTensor's local shard) are made below this mode.
+        for inner in (i for t in tensors_in(out) for i in inner_tensors(t)):
+            self.watch(inner)
         if self.sampling:
             self.sample()
         return out
