@@ -309,30 +309,25 @@ def knobs(config: GPTConfig = MODEL, labels: tuple[str, ...] = tuple(KNOBS),
     return out
 
 
-def knob_table(per_rank: list[dict[str, Knob]], peak: bool = True,
-               times: bool = True) -> list[str]:
+def knob_table(per_rank: list[dict[str, Knob]], peak: bool = True) -> list[str]:
     """The measurements as a table: memory at the peaks (the largest over the ranks), rank 0's
-    gathers, bytes sent per rank and to the other node (means over the ranks), rank 0's time
-    (a column only where the knobs were timed and `times`). `peak=False` leaves out the
-    fwd+bwd peak: with FSDP2's prefetch it moves from run to run by when its gathers' buffers
-    come and go."""
-    timed = times and any(k.ratio is not None for k in per_rank[0].values())
+    gathers, bytes sent per rank and to the other node (means over the ranks); the times are
+    `knob_times`'. `peak=False` leaves out the fwd+bwd peak: with FSDP2's prefetch it moves from
+    run to run by when its gathers' buffers come and go."""
     rows = [f"{'':46}" + (f"{'fwd+bwd':>8}" if peak else "") + f"{'params':>8}{'step':>8}"
-            f"{'gathers':>8}{'sent':>7}{'across':>7}" + (f"{'time':>6}" if timed else ""),
+            f"{'gathers':>8}{'sent':>7}{'across':>7}",
             f"{'':46}" + (f"{'KiB':>8}" if peak else "") + f"{'KiB':>8}{'KiB':>8}{'':>8}"
-            f"{'KiB':>7}{'KiB':>7}" + (f"{'x':>6}" if timed else "")]
+            f"{'KiB':>7}{'KiB':>7}"]
     for label, k in per_rank[0].items():
         if k.error:
             rows.append(f"{label:46}{k.error[:60]}")
             continue
         runs = [r[label] for r in per_rank]
-        ratio = "1" if k.ratio is None else f"{k.ratio:.2f}"
         rows.append(f"{label:46}" + (f"{max(r.peak for r in runs) / 2**10:8.0f}" if peak else "")
                     + f"{max(r.memory.get('params', 0) for r in runs) / 2**10:8.0f}"
                     f"{max(r.step_peak for r in runs) / 2**10:8.0f}{k.gathers:8}"
                     f"{statistics.mean(r.sent or 0 for r in runs) / 2**10:7.0f}"
-                    f"{statistics.mean(r.across or 0 for r in runs) / 2**10:7.0f}"
-                    + (f"{ratio:>6}" if timed else ""))
+                    f"{statistics.mean(r.across or 0 for r in runs) / 2**10:7.0f}")
     return rows
 
 
