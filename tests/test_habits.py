@@ -163,10 +163,15 @@ def test_engine_state_dict_round_trips_per_rank_through_torch_save(runs):
     to the same bits (Adam's state came back too); a full state dict loads as well; another
     rank's part is refused, naming the calls that change the world size."""
     _, results = runs
+    assert results[0]["engine_state"]["zero3"]["not_pieces"][0] is not None  # (ZeRO-3: pieces)
     for key in H.ENGINES:
         for rank, r in enumerate(results):
             got = dict(r["engine_state"][key])
             refused = got.pop("refused")
+            chunked, not_pieces = got.pop("not_pieces")
+            if chunked is not None:  # a rank's pieces, given whole instead: refused by name
+                assert not_pieces == (f"{chunked}: expected this rank's pieces "
+                                      "(engine.state_dict()), got Tensor"), not_pieces
             assert got == {"same_loaded": True, "same_trained_on": True, "full_form": True}, (
                 key, rank)
             assert f"'rank': {rank}" in refused and "zerolab.checkpoint.save" in refused, refused

@@ -220,13 +220,19 @@ def run_torch_ddp(habit: str, **kwargs) -> dict:
 
 # ---- state dicts -------------------------------------------------------------------------------
 
-def state_dicts(key: str) -> dict:
-    """model.state_dict() through torch.save/torch.load into a plain model; then the other way:
-    model.load_state_dict(full) into a fresh engine, which trains on from there."""
+def trained(key: str) -> tuple:
+    """(model, engine, rank, world_size): engine `key` after the habits' STEPS steps."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     model = gpt(seed=rank)
     engine = make(key, model)
     loop("engine.zero_grad", model, engine, engine.optimizer, engine, rank, world_size)
+    return model, engine, rank, world_size
+
+
+def state_dicts(key: str) -> dict:
+    """model.state_dict() through torch.save/torch.load into a plain model; then the other way:
+    model.load_state_dict(full) into a fresh engine, which trains on from there."""
+    model, engine, rank, world_size = trained(key)
     buffer = io.BytesIO()
     torch.save(model.state_dict(), buffer)
     saved_bytes = buffer.tell()
@@ -255,10 +261,7 @@ def engine_state_dicts(key: str) -> dict:
     """engine.state_dict() (this rank's part) through torch.save and torch.load (weights_only,
     torch's default) into a fresh engine of other seeds, which must then hold and train on
     exactly as the saved one does; and engine.load_state_dict() of a full state dict."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = gpt(seed=rank)
-    engine = make(key, model)
-    loop("engine.zero_grad", model, engine, engine.optimizer, engine, rank, world_size)
+    model, engine, rank, world_size = trained(key)
     buffer = io.BytesIO()
     torch.save(engine.state_dict(), buffer)
     buffer.seek(0)
@@ -271,6 +274,13 @@ def engine_state_dicts(key: str) -> dict:
         refused = ""
     except ValueError as e:
         refused = str(e)
+    chunked = next((k for k, v in part["model"].items() if isinstance(v, dict)), None)
+    not_pieces = ""
+    if chunked is not None:  # a sharded parameter given whole where its pieces belong
+        try:
+            fresh.load_state_dict({**part, "model": {**part["model"], chunked: torch.zeros(3)}})
+        except ValueError as e:
+            not_pieces = str(e)
     fresh.load_state_dict(part)
     same_loaded = harness.max_diff(fresh.full_state_dict(), engine.full_state_dict()) == 0
     for step in range(STEPS, STEPS + 2):  # Adam's moments and step count restored: the same
@@ -285,7 +295,7 @@ def engine_state_dicts(key: str) -> dict:
     return {"same_loaded": same_loaded,
             "same_trained_on": harness.max_diff(fresh.full_state_dict(), saved) == 0,
             "full_form": harness.max_diff(other.full_state_dict(), saved) == 0,
-            "refused": refused}
+            "refused": refused, "not_pieces": (chunked, not_pieces)}
 
 
 def reference_state_dicts() -> dict:

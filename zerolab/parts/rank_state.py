@@ -15,6 +15,7 @@ from zerolab.parts.state_dicts import (
     OPTIMIZER,
     Chunks,
     engine_state_dict,
+    fill,
     finish_load,
     targets,
 )
@@ -72,7 +73,7 @@ def load_rank_state_dict(engine, sd: dict) -> None:
              for name, state in optimizer.get("state", {}).items()}
     loading = targets(engine, kinds, [list(g["params"]) for g in optimizer.get("param_groups", [])])
     engine.wait_params()
-    _fill_pieces(loading.sd, {MODEL: sd[MODEL], OPTIMIZER: optimizer})
+    fill(loading.sd, {MODEL: sd[MODEL], OPTIMIZER: optimizer}, _from_pieces)
     finish_load(engine, loading)
     engine._after_step()  # ZeRO-1/2: every rank's shard into the full parameters
     engine.wait_params()
@@ -88,24 +89,12 @@ def _copy_overlap(t: torch.Tensor, at: tuple, piece: torch.Tensor, piece_at: tup
             piece[tuple(slice(x - b, y - b) for x, y, b in zip(lo, hi, piece_at))])
 
 
-def _fill_pieces(target: Any, given: Any) -> None:
-    """Copy the given pieces into the target pieces where they overlap (a ZeRO-1/2 parameter
+def _from_pieces(key: Any, chunks: Chunks, given: Any) -> None:
+    """A Chunks leaf from this rank's saved pieces, where they overlap (a ZeRO-1/2 parameter
     is held whole: this rank's pieces fill their part of it; _after_step gathers the rest)."""
-    items = enumerate(target) if isinstance(target, list) else list(target.items())
-    for k, v in items:
-        if (k >= len(given)) if isinstance(given, list) else (k not in given):
-            continue
-        src = given[k]
-        if isinstance(v, Chunks):
-            if not _is_pieces(src):
-                raise ValueError(f"{k}: expected this rank's pieces (engine.state_dict()), "
-                                 f"got {type(src).__name__}")
-            for offsets, t in v.pieces:
-                for given_offsets, piece in src["pieces"]:
-                    _copy_overlap(t, offsets, piece, given_offsets)
-        elif isinstance(v, (dict, list)):
-            _fill_pieces(v, src)
-        elif torch.is_tensor(v):
-            v.copy_(src)
-        else:
-            target[k] = src
+    if not _is_pieces(given):
+        raise ValueError(f"{key}: expected this rank's pieces (engine.state_dict()), "
+                         f"got {type(given).__name__}")
+    for offsets, t in chunks.pieces:
+        for given_offsets, piece in given["pieces"]:
+            _copy_overlap(t, offsets, piece, given_offsets)

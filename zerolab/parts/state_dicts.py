@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -399,22 +400,29 @@ def finish_load(engine, loaded: Targets) -> None:
                 group[k] = v
 
 
-def fill(target: Any, full: Any) -> None:
-    """Fill load targets from full tensors (a plain state dict): each piece its rectangle."""
+def fill(target: Any, given: Any,
+         fill_chunks: Callable[[Any, Chunks, Any], None] | None = None) -> None:
+    """Fill load targets from `given`, walking both together. A Chunks leaf is filled by
+    `fill_chunks(key, chunks, source)`; by default its source is a full tensor (a plain state
+    dict) and each piece copies its rectangle of it."""
     items = enumerate(target) if isinstance(target, list) else list(target.items())
     for k, v in items:
-        if (k >= len(full)) if isinstance(full, list) else (k not in full):
+        if (k >= len(given)) if isinstance(given, list) else (k not in given):
             continue
-        src = full[k]
+        src = given[k]
         if isinstance(v, Chunks):
-            for offsets, t in v.pieces:
-                t.copy_(src[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))])
+            (fill_chunks or _from_full)(k, v, src)
         elif isinstance(v, (dict, list)):
-            fill(v, src)
+            fill(v, src, fill_chunks)
         elif torch.is_tensor(v):
             v.copy_(src)
         else:
             target[k] = src
+
+
+def _from_full(key: Any, chunks: Chunks, full: torch.Tensor) -> None:
+    for offsets, t in chunks.pieces:
+        t.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))])
 
 
 def load_engine_state_dict(engine, full: dict) -> None:
