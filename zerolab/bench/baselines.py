@@ -31,8 +31,8 @@ from zerolab.memory import Settled, StateTensors, model_state_bytes, optimizer_t
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank holds: a DTensor's local shard, or the tensor itself. (Read
     through the tensor-subclass protocol, `__tensor_flatten__`, which names the local tensor's
-    attribute: to_local() costs 5x more, 12x with autograd on, and the memory tracker reads
-    state_tensors() after every op.)"""
+    attribute: 0.4 µs a call on this course's machine, against to_local()'s 5.8 µs, 3.0 under
+    no_grad; the memory tracker reads state_tensors() after every op.)"""
     if isinstance(t, DTensor):
         return getattr(t, t.__tensor_flatten__()[0][0])
     return t
