@@ -87,6 +87,10 @@ def test_timings_and_measurements_are_complete(quick):
         assert len(row["peak_bytes_per_rank"]) == cfg["world_size"]
         for state, peak in zip(row["model_state_bytes_per_rank"], row["peak_bytes_per_rank"]):
             assert 0 < sum(state.values()) <= peak, key
+        # what the step added above what was live at its start (the parameters at least were)
+        for rise, peak in zip(row["tracker_rise_bytes_per_rank"], row["peak_bytes_per_rank"]):
+            assert 0 < rise < peak, key
+        assert row["device_rise_bytes_per_rank"] == [None] * cfg["world_size"], key  # CPU
         assert not row["c10d_unknown_ops"], key
     for key in bench_config.OVERHEAD_TARGETS:
         assert quick["rows"][key]["ratio_to_counterpart"] > 0

@@ -102,6 +102,27 @@ def test_allocate_then_free_peaks_at_the_allocation():
     assert trace.device_peak_bytes is None  # CPU
 
 
+def test_rises_subtract_what_was_live_at_entry_for_the_tracker_and_the_allocator(monkeypatch):
+    """On CUDA the allocator counts every tensor of the process (the bench keeps several models
+    in one rank): what it and the tracker saw the block add is what compares. The allocator is
+    stood in for here (this machine has no GPU); .ci/gpu_check reads the real one."""
+    held = nn.Linear(4, 4)  # 80 bytes of state, live at entry
+    allocated = {"now": 1_000_000, "peak": 0}  # another model's megabyte, live throughout
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats",
+                        lambda: allocated.update(peak=allocated["now"]))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: allocated["now"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: allocated["peak"])
+    with track_memory(lambda: {"params": list(held.parameters())}) as trace:
+        x = torch.empty(256)  # 1024 bytes
+        allocated["peak"] = allocated["now"] + 1024
+        del x
+    assert trace.peak_bytes == 80 + 1024
+    assert trace.device_entry_bytes == 1_000_000 and trace.device_peak_bytes == 1_001_024
+    assert trace.rises() == (1024, 1024)
+
+
 def test_two_live_at_once_add_up_and_frees_are_seen():
     with track_memory() as trace:
         a = torch.empty(100)  # 400

@@ -124,6 +124,7 @@ class MemoryTrace:
     peak_by_category: dict[str, int] = field(default_factory=dict)  # the breakdown at that peak
     max_by_category: dict[str, int] = field(default_factory=dict)  # each category's own maximum
     device_peak_bytes: int | None = None  # CUDA: the allocator's max_memory_allocated
+    device_entry_bytes: int | None = None  # CUDA: the allocator's memory_allocated at entry
     t0: float = 0.0  # perf_counter() when tracking started: sample times are relative to it
     # What tracking cost, counted (tests hold the tracker to it, without a clock):
     ops: int = 0  # ops seen
@@ -138,6 +139,15 @@ class MemoryTrace:
             self.peak_by_category = dict(by_category)
         for c, b in by_category.items():
             self.max_by_category[c] = max(self.max_by_category.get(c, 0), b)
+
+    def rises(self) -> tuple[int, int | None]:
+        """(the tracker's peak above the bytes it counted at entry, the CUDA allocator's peak
+        above what it held at entry, or None off CUDA): what each saw the block add, the same
+        quantity measured two ways. The allocator rounds every block up to 512 bytes."""
+        entry = sum(self.samples[0][1].values()) if self.samples else 0
+        device = (None if self.device_peak_bytes is None or self.device_entry_bytes is None
+                  else self.device_peak_bytes - self.device_entry_bytes)
+        return self.peak_bytes - entry, device
 
     def _recount(self) -> None:
         """The peak and the maxima again, from samples that were relabelled."""
@@ -439,7 +449,9 @@ class track_memory:  # noqa: N801 (used like a function: `with track_memory(...)
     """Track live tensor bytes by category inside a `with` block; yields a MemoryTrace.
 
     Counts the model state present at entry plus every tensor allocated inside the block while it
-    lives. On CUDA, `device_peak_bytes` is the allocator's peak over the block as well.
+    lives. On CUDA, `device_peak_bytes` is the allocator's peak over the block as well, and
+    `device_entry_bytes` what it held at entry: the allocator counts every tensor of the process
+    (another model's too), so compare what each saw the block add (`rises`).
     activations=True: the storages autograd saves for backward inside the block are a category
     of their own, "activations" (see `SavedForBackward`), instead of "other".
     """
@@ -454,6 +466,7 @@ class track_memory:  # noqa: N801 (used like a function: `with track_memory(...)
     def __enter__(self) -> MemoryTrace:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.reset_peak_memory_stats()
+            self.trace.device_entry_bytes = torch.cuda.memory_allocated()
         self._tracker.sample()  # registers the state present at entry
         if self._saved is not None:
             self._saved.__enter__()

@@ -17,6 +17,9 @@ the floor's: the engine's overhead, op by op (its collectives, optimizer step, c
 The operators both run as often (the matrix products) differ only by the machine's noise, or
 by contention with the engine's communication threads: their difference is one figure.
 
+On a GPU the times are the host's: launching kernels and waiting for the device where the code
+waits (CUDA's runtime calls are listed by name), not the kernels' own.
+
 The profiler times operators, not the wait for a collective that another thread runs: on a
 machine whose cores are all busy (the bench's "cores busy" line), the operators' times grow
 with the communication that overlaps them.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import torch
 from torch.profiler import ProfilerActivity, profile
 
 import zerolab
@@ -67,10 +71,16 @@ def profile_worker(config: BenchConfig, keys: tuple[str, ...]) -> list[StepProfi
             for step in steps.values():
                 step(x, y)
         totals: dict[str, dict[str, list[float]]] = {name: {} for name in steps}
+        # On a GPU, CUDA's runtime calls are listed too: a wait for the device
+        # (cudaStreamSynchronize, cudaMemcpy to the host) shows by name, not inside an operator.
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                               if ctx.device.type == "cuda" else [])
         for x, y in batches[config.warmup:]:
             for name, step in steps.items():
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with profile(activities=activities) as prof:
                     step(x, y)
+                    if ctx.device.type == "cuda":  # the step's kernels end inside its profile
+                        torch.cuda.synchronize(ctx.device)
                 for e in prof.key_averages():  # (calls, self microseconds), summed over steps
                     sums = totals[name].setdefault(e.key, [0, 0.0])
                     sums[0] += e.count

@@ -201,8 +201,10 @@ def measure_step(engine: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any
     """harness.measured_step, with torch's collectives counted as well."""
     with CollectiveCounter() as counter:
         m = harness.measured_step(engine, x, y)
+    tracker_rise, device_rise = m.memory.rises()
     return {"peak_bytes": m.memory.peak_bytes, "peak_by_category": m.memory.peak_by_category,
             "device_peak_bytes": m.memory.device_peak_bytes, "model_state_bytes": m.held,
+            "tracker_rise_bytes": tracker_rise, "device_rise_bytes": device_rise,
             "record_comm_bytes": m.log.total_ring_bytes(),
             "record_comm_by_op": m.log.bytes_by_op(),
             "c10d_bytes": counter.sent_bytes, "c10d_by_op": counter.by_op,
