@@ -13,6 +13,7 @@ test_grading_adversarial.py (patches, exits, hangs, floods).
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -184,6 +185,7 @@ def test_your_exercise_is_not_wrong(your_report, exercise_id):
     """What the notebooks' grade cells say, as tests: an exercise you solved must pass;
     one not attempted yet is fine. A failure here is the grader's verdict on your answer."""
     result = your_report[exercise_id]
+    print(f"exercise {exercise_id}: {result.status}")  # read by the solved-copy test (-rP shows it)
     if result.status not in ("passed", "not attempted"):
         pytest.fail("\n" + str(result), pytrace=False)
 
@@ -191,10 +193,14 @@ def test_your_exercise_is_not_wrong(your_report, exercise_id):
 # ---- grading ------------------------------------------------------------------------------------
 
 
-def test_solutions_pass():
-    proc = run_grader(*FUNCTIONS, "--path", "solutions", "--timeout", "240")
+def test_the_command_line_grades_the_folder_it_is_given():
+    """`--path solutions`: one plain and one distributed exercise (that every solution passes,
+    engines too, is the solved-copy test's: it grades each one from the solution's text)."""
+    chosen = ["3.1", "2.1"]
+    assert {grading.EXERCISES[i].distributed for i in chosen} == {False, True}
+    proc = run_grader(*chosen, "--path", "solutions", "--timeout", "240")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert status_lines(proc.stdout) == {i: "passed" for i in FUNCTIONS}, proc.stdout
+    assert status_lines(proc.stdout) == {i: "passed" for i in chosen}, proc.stdout
 
 
 def test_untouched_stubs_are_not_attempted_without_a_process(stubs, monkeypatch):
@@ -309,7 +315,7 @@ def test_a_solved_copy_is_green_but_for_a_wrong_answer(tmp_path):
         wrong = {"7.1": ("math.floor(", "round(")}  # 19 parameters "fit" where 18 do
         (copy / "exercises" / f"{module}.py").write_text(solved(text, wrong))
     env = {**os.environ, "PYTHONPATH": str(copy), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_grading.py", "-q",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_grading.py", "-q", "-rfEP",
                            "-k", "your_exercise or hold_what"], cwd=copy, env=env,
                           capture_output=True, text=True, timeout=1800)
     out = proc.stdout
@@ -318,6 +324,9 @@ def test_a_solved_copy_is_green_but_for_a_wrong_answer(tmp_path):
     assert len(failed) == 1 and "test_your_exercise_is_not_wrong[7.1]" in failed[0], out
     assert f"1 failed, {len(grading.EXERCISES)} passed" in out, out
     assert "rounded up or to the nearest, not down" in out, out
+    # Every other exercise passed, graded from its solution's text: none "not attempted".
+    statuses = dict(re.findall(r"^exercise (\S+): (.+)$", out, re.M))
+    assert statuses == {i: "wrong" if i == "7.1" else "passed" for i in grading.EXERCISES}, out
 
 
 def test_mutation_tool_on_a_sample():
