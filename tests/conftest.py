@@ -58,3 +58,31 @@ def nodes_at_4() -> list[dict]:
 def nodes_reference() -> dict:
     """nodes_at_4's SGD run in one process on the global batch."""
     return node_workers.reference()
+
+
+# ---- running in parallel (`make test` runs pytest-xdist: `-n N --dist loadgroup`) ------------
+# A worker takes a whole group: a file, or the files that read one shared launch above (so it
+# runs once). Groups are handed out in the order below, the longest first (seconds on 2 cores,
+# from `--durations`), so that no long one starts last while the other worker sits idle.
+SHARED = {"test_lesson_n00_launch": "lessons_00_03", "test_lesson_n01_memory": "lessons_00_03",
+          "test_lesson_n02_collectives": "lessons_00_03", "test_lesson_n03_zero1": "lessons_00_03",
+          "test_lesson_n04_zero2": "lessons_04_07", "test_lesson_n05_zero3": "lessons_04_07",
+          "test_lesson_n06_fsdp2": "lessons_04_07", "test_lesson_n07_scaling": "lessons_04_07",
+          "test_hsdp": "nodes", "test_peers": "nodes", "test_zeropp": "nodes"}
+LONGEST_FIRST = ["test_grading", "10_bytes_to_seconds", "test_grading_engines", "test_habits",
+                 "09_past_one_node", "test_grading_adversarial", "06_fsdp2", "test_grading_wrong",
+                 "test_engines", "test_bench", "lessons_00_03", "lessons_04_07", "nodes"]
+
+
+def _group(item: pytest.Item) -> str:
+    return SHARED.get(item.path.stem, item.path.stem)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks into the test ids
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not hasattr(config, "workerinput"):
+        return  # not an xdist worker (they collect; the controller hands out): as collected
+    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: files keep order
+    for item in items:
+        item.add_marker(pytest.mark.xdist_group(_group(item)))
