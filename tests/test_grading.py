@@ -194,11 +194,12 @@ def test_your_exercise_is_not_wrong(your_report, exercise_id):
 
 
 def test_the_command_line_grades_the_folder_it_is_given():
-    """`--path solutions`: one plain and one distributed exercise (that every solution passes,
-    engines too, is the solved-copy test's: it grades each one from the solution's text)."""
+    """`--path solutions --world-sizes 2`: one plain and one distributed exercise (that every
+    solution passes, engines too, is the solved-copy test's: it grades each one from the
+    solution's text)."""
     chosen = ["3.1", "2.1"]
     assert {grading.EXERCISES[i].distributed for i in chosen} == {False, True}
-    proc = run_grader(*chosen, "--path", "solutions", "--timeout", "240")
+    proc = run_grader(*chosen, "--path", "solutions", "--world-sizes", "2", "--timeout", "240")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert status_lines(proc.stdout) == {i: "passed" for i in chosen}, proc.stdout
 
