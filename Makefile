@@ -15,9 +15,10 @@ PY := $(VENV)/bin/python
 TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 PYTEST_ARGS ?=
 # The tests run on JOBS processes at once (pytest-xdist; one per core, at most 4): each takes whole
-# test files, or the files that read one shared launch (tests/conftest.py). JOBS=1: one process.
+# test files, or the files that read one shared launch (tests/conftest.py's scheduler).
+# JOBS=1: one process.
 JOBS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1))")
-PARALLEL := $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadgroup --no-loadscope-reorder)
+PARALLEL := $(if $(filter 1,$(JOBS)),,-n $(JOBS) --dist loadscope --no-loadscope-reorder)
 LAB_ARGS ?=
 # JupyterLab refuses to start as root ("Running as root is not recommended. Use --allow-root to
 # bypass."), and root is who runs a Docker container or a cloud notebook box: allow it there.

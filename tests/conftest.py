@@ -60,7 +60,7 @@ def nodes_reference() -> dict:
     return node_workers.reference()
 
 
-# ---- running in parallel (`make test` runs pytest-xdist: `-n N --dist loadgroup`) ------------
+# ---- running in parallel (`make test` runs pytest-xdist: `-n N --dist loadscope`) --------------
 # A worker takes a whole group: a file, or the files that read one shared launch above (so it
 # runs once). Groups are handed out in the order below, the longest first (seconds on 2 cores,
 # from `--durations`), so that no long one starts last while the other worker sits idle.
@@ -74,15 +74,28 @@ LONGEST_FIRST = ["test_grading", "10_bytes_to_seconds", "test_grading_engines", 
                  "test_engines", "test_bench", "lessons_00_03", "lessons_04_07", "nodes"]
 
 
-def _group(item: pytest.Item) -> str:
-    return SHARED.get(item.path.stem, item.path.stem)
+def _group(path: str) -> str:
+    """A test's group, from its file: "tests/test_hsdp.py" -> "nodes"."""
+    stem = Path(path).stem
+    return SHARED.get(stem, stem)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the marks into the test ids
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not hasattr(config, "workerinput"):
-        return  # not an xdist worker (they collect; the controller hands out): as collected
-    rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item), len(rank)))  # stable: files keep order
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
+    if hasattr(config, "workerinput"):  # an xdist worker (they collect; the controller hands out)
+        rank = {g: i for i, g in enumerate(LONGEST_FIRST)}
+        # stable: a file's tests, a notebook's cells, keep their order
+        items.sort(key=lambda item: rank.get(_group(item.nodeid.split("::")[0]), len(rank)))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's: ignored where it is missing
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Hand out whole groups, not files: xdist's own `loadgroup` marks tests by rewriting their
+    ids, which pytest 9.2 no longer lets it do (every notebook cell then ran in a kernel of its
+    own)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::")[0])
+
+    return ByGroup(config, log)

@@ -237,3 +237,20 @@ def test_readme_example_runs_as_a_saved_script(tmp_path):
     quoted = [t for t in (REPO / "README.md").read_text().splitlines() if line.fullmatch(t)]
     assert [line.sub(r"\1 \3 \4", t) for t in quoted] == [
         line.sub(r"\1 \3 \4", t) for t in printed], "the README quotes what the example prints"
+
+
+def test_files_that_read_one_shared_launch_are_handed_to_one_worker():
+    """`make test` runs the files on several workers (pytest-xdist); conftest's scheduler hands
+    out groups. A launch shared by files of two groups would run once in each worker."""
+    import conftest
+
+    source = (REPO / "tests" / "conftest.py").read_text()
+    shared = re.findall(r'@pytest\.fixture\(scope="session"\)\ndef (\w+)', source)
+    assert len(shared) >= 4, shared
+    for name in shared:
+        readers = [f for f in sorted((REPO / "tests").glob("test_*.py"))
+                   if re.search(rf"\b{name}\b", f.read_text())]
+        groups = {conftest._group(str(f.relative_to(REPO))) for f in readers}
+        assert len(readers) >= 1 and len(groups) == 1, (name, [f.name for f in readers], groups)
+    # and a notebook's cells stay together, in one kernel
+    assert conftest._group("notebooks/05_zero3.ipynb") == "05_zero3"
