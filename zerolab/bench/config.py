@@ -142,3 +142,10 @@ def forward_backward(model: GPT, x: torch.Tensor, y: torch.Tensor) -> None:
     on this rank's batch, with no collective and no optimizer step. No engine can be faster."""
     model.loss(model(x), y).backward()
     model.zero_grad(set_to_none=False)  # as the engines do: the next backward adds into zeros
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (a GPU's kernels run after the call that launched them
+    returns): a timer or a profile read after this holds the work. Nothing to wait for on a CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

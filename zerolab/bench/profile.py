@@ -30,12 +30,17 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 import zerolab
 from zerolab import harness
-from zerolab.bench.config import BenchConfig, bench_batch, forward_backward, make_engine
+from zerolab.bench.config import (
+    BenchConfig,
+    bench_batch,
+    forward_backward,
+    make_engine,
+    synchronize,
+)
 from zerolab.models import GPT
 
 
@@ -79,8 +84,7 @@ def profile_worker(config: BenchConfig, keys: tuple[str, ...]) -> list[StepProfi
             for name, step in steps.items():
                 with profile(activities=activities) as prof:
                     step(x, y)
-                    if ctx.device.type == "cuda":  # the step's kernels end inside its profile
-                        torch.cuda.synchronize(ctx.device)
+                    synchronize(ctx.device)  # the step's kernels end inside its profile
                 for e in prof.key_averages():  # (calls, self microseconds), summed over steps
                     sums = totals[name].setdefault(e.key, [0, 0.0])
                     sums[0] += e.count

@@ -80,6 +80,7 @@ from zerolab.bench.config import (
     bench_batch,
     forward_backward,
     make_engine,
+    synchronize,
 )
 from zerolab.bench.profile import format_profiles, run_profile
 from zerolab.bench.report import format_table, plot, summarize
@@ -89,11 +90,6 @@ from zerolab.units import make_units
 from zerolab.wire.torch_counter import CollectiveCounter
 
 T = TypeVar("T")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def bench_worker(config: BenchConfig, keys: tuple[str, ...], reference: str,
