@@ -174,6 +174,13 @@ def test_measure_returns_the_same_sweep_on_every_rank(live):
         assert t.nbytes % 8 == 0 and t.algbw > 0 and t.busbw <= t.algbw * 2
 
 
+def test_a_burst_holds_burst_calls_unless_capped_by_burst_bytes(live):
+    assert {t.calls for t in live[0]["sweep"].timings} == {2}  # burst=2, no cap
+    capped = live[0]["capped"]
+    assert [(t.nbytes, t.calls) for t in capped.timings] == [(64 << 10, 4), (1 << 20, 1)]
+    assert all(len(t.seconds) == 1 for t in capped.timings)
+
+
 def test_the_bytes_the_model_prices_are_the_bytes_on_the_wire(live):
     """Measure, do not assume: the busiest rank's measured wire bytes are the model's bytes,
     plus gloo's headers, for every op (gloo's broadcast tree included)."""

@@ -101,6 +101,7 @@ class Timing:
     seconds: tuple[float, ...]  # per repeat: the slowest rank's mean over a burst of calls
     wire_bytes: int | None  # measured: most bytes one rank wrote in a call (median of repeats)
     impl: str  # what ran (CommEvent.impl), e.g. "all_gather as 2 broadcasts (gloo)"
+    calls: int = 1  # calls back to back in each repeat's burst (`seconds` is their mean)
 
     @property
     def median(self) -> float:
@@ -153,7 +154,7 @@ class Sweep:
 
 def measure(world_size: int | None = None, sizes: Sequence[int] = SIZES,
             ops: Sequence[str] = OPS, repeats: int = 7, warmup: int = 2, burst: int = 4,
-            group: dist.ProcessGroup | None = None) -> Sweep:
+            group: dist.ProcessGroup | None = None, burst_bytes: int | None = None) -> Sweep:
     """Time each op at each size on `world_size` ranks (every rank of the job calls this).
 
     world_size: ranks 0..N-1 of the job form a group and are timed (default: all of them); the
@@ -165,6 +166,9 @@ def measure(world_size: int | None = None, sizes: Sequence[int] = SIZES,
     buffers, as a step issues its buckets one after another (nccl-tests also times
     back-to-back iterations); their mean is the round's time for that case. A round ends with
     one all-reduce of its times (MAX): a collective's time is its slowest rank's.
+    burst_bytes: at most this many bytes of S in one burst, at least one call (None: `burst`
+    calls at every size). A call of many MiB takes milliseconds, so that one call times it as
+    well as a burst would; the sweep's time goes mostly into its largest sizes.
     """
     if not dist.is_initialized():
         raise RuntimeError("cost.measure times collectives between ranks: call it on every rank "
@@ -187,27 +191,29 @@ def measure(world_size: int | None = None, sizes: Sequence[int] = SIZES,
         inside = dist.get_rank() < n
     else:
         root = dist.get_global_rank(group, 0)
-    sweep = _sweep(group, sizes, ops, repeats, warmup, burst) if inside else None
+    sweep = _sweep(group, sizes, ops, repeats, warmup, burst, burst_bytes) if inside else None
     box = [sweep]
     dist.broadcast_object_list(box, src=root, group=share)  # bookkeeping, not a lesson's traffic
     return box[0]
 
 
 def _sweep(group, sizes: Sequence[int], ops: Sequence[str], repeats: int, warmup: int,
-           burst: int) -> Sweep:
+           burst: int, burst_bytes: int | None) -> Sweep:
     n, backend = dist.get_world_size(group), dist.get_backend(group)
     device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
               else torch.device("cpu"))
     root = 0 if group is None else dist.get_global_rank(group, 0)
     cases = [(op, s) for s in sizes for op in ops]
+    calls = {s: burst if burst_bytes is None else max(1, min(burst, burst_bytes // s))
+             for s in sizes}
     seconds: dict = {c: [] for c in cases}
     wire: dict = {c: [] for c in cases}
     impl: dict = {}
     for r in range(warmup + repeats):
         order = list(cases)
         random.Random(r).shuffle(order)  # seeded alike on every rank: the same order
-        bursts = [_timed(op, s, n, burst, root, group, device) for op, s in order]
-        times = torch.tensor([sum(e.end - e.start for e in b) / burst for b in bursts],
+        bursts = [_timed(op, s, n, calls[s], root, group, device) for op, s in order]
+        times = torch.tensor([sum(e.end - e.start for e in b) / len(b) for b in bursts],
                              dtype=torch.float64)
         wrote = torch.tensor([-1 if None in (w := [e.wire_bytes for e in b])
                               else statistics.median(w) for b in bursts], dtype=torch.float64)
@@ -223,7 +229,7 @@ def _sweep(group, sizes: Sequence[int], ops: Sequence[str], repeats: int, warmup
     timings = tuple(
         Timing(op, _numel(s, n) * 4, n, backend, tuple(seconds[(op, s)]),
                None if min(wire[(op, s)]) < 0 else round(statistics.median(wire[(op, s)])),
-               impl[(op, s)])
+               impl[(op, s)], calls[s])
         for op, s in cases)
     return Sweep(n, backend, timings)
 

@@ -44,6 +44,7 @@ MiB = 1 << 20
 FIT_SIZES = (16 << 10, 64 << 10, 256 << 10, 768 << 10, 3 * MiB, 12 * MiB)  # what the link sees
 CHECK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)  # what it predicts, unseen
 BAND = 0.35  # a prediction within 35% of the measurement passes (issue 29)
+BURST_BYTES = 4 * MiB  # a burst of the sweep holds at most this much S: 12 MiB runs as one call
 
 
 @dataclass
@@ -100,7 +101,7 @@ class Run:
 
     world_size: int
     num_params: int
-    sweep: cost.Sweep  # FIT_SIZES and CHECK_SIZES, all four ops (broadcast at FIT_SIZES only)
+    sweep: cost.Sweep  # FIT_SIZES and CHECK_SIZES, all four ops
     link: cost.Link  # fitted on FIT_SIZES
     stages: dict[str, StageTime] = field(default_factory=dict)
     overlap: Overlap | None = None  # N = 2 only
@@ -118,7 +119,7 @@ def fit_link(group, ops: tuple[str, ...] = cost.OPS, repeats: int = 7,
     """One sweep of FIT_SIZES and CHECK_SIZES in the same shuffled rounds; the link is fitted
     on FIT_SIZES only, so CHECK_SIZES are sizes it never saw, measured alongside."""
     sweep = cost.measure(sizes=FIT_SIZES + CHECK_SIZES, ops=ops, repeats=repeats, burst=burst,
-                         group=group)
+                         group=group, burst_bytes=BURST_BYTES)
     return sweep, cost.fit(sweep.only(FIT_SIZES))
 
 
