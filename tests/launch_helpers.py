@@ -10,6 +10,7 @@ to run the function. Each rank writes when it passed each point to files in $ZER
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -109,7 +110,10 @@ zygote.Zygote.for_ranks = no_zygote
 # --- callers that get killed, and what they leave (test_launch_cleanup.py) ---------------------
 
 CALLER = """\
+import faulthandler
+import signal
 import sys
+faulthandler.register(signal.SIGUSR2, all_threads=True)  # where it is, should a test time out
 sys.path.insert(0, {tests!r})
 from workers import launch as launch_workers
 import zerolab
@@ -130,6 +134,25 @@ def start_caller(folder: Path, notes: Path, tmpdir: Path, then: str = "sleep",
     return subprocess.Popen([sys.executable, str(script)], cwd=folder, env=env,
                             start_new_session=new_session, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
+
+
+def where_stuck(caller: subprocess.Popen) -> str:
+    """A caller that did not exit in time: its signal masks, what it waits in, its Python
+    stacks (faulthandler, on SIGUSR2), and what it printed; it is killed."""
+    try:
+        with open(f"/proc/{caller.pid}/status") as f:
+            masks = "".join(line for line in f if line.startswith(("State", "Sig", "Threads")))
+        with open(f"/proc/{caller.pid}/wchan") as f:
+            masks += f"wchan: {f.read()}\n"
+    except OSError as e:
+        masks = f"no /proc entry: {e}\n"
+    children = [f"{c.pid} {c.status()} {' '.join(c.cmdline())[:80]}"
+                for c in psutil.Process(caller.pid).children(recursive=True)]
+    caller.send_signal(signal.SIGUSR2)
+    time.sleep(1)
+    caller.kill()
+    out, _ = caller.communicate()
+    return masks + "children:\n  " + "\n  ".join(children) + "\noutput:\n" + (out or "")
 
 
 def wait_until(condition, timeout: float = 120.0) -> bool:

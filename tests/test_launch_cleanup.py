@@ -6,6 +6,7 @@ cannot be sent. Each caller that gets killed is a real process, killed with a re
 import contextlib
 import os
 import signal
+import subprocess
 import tempfile
 import time
 
@@ -78,7 +79,11 @@ def test_a_caller_stopped_by_a_signal_leaves_nothing(how, tmp_path):
         pids = helpers.started(tmp_path)
         zygote = [c.pid for c in helpers.psutil.Process(caller.pid).children()]
         caller.send_signal(getattr(signal, how))
-        out, _ = caller.communicate(timeout=60)
+        try:
+            out, _ = caller.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the caller did not exit within 60 s of {how}:\n"
+                        + helpers.where_stuck(caller))
         if how == "SIGINT":
             assert "KeyboardInterrupt" in out, out
         assert all_gone(pids["ranks"] + pids["kids"] + zygote) == []
