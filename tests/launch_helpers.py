@@ -114,6 +114,9 @@ import faulthandler
 import signal
 import sys
 faulthandler.register(signal.SIGUSR2, all_threads=True)  # where it is, should a test time out
+# Ctrl-C as a terminal delivers it: a shell without job control starts a background job
+# (`make test &`) with SIGINT ignored, every process below inherits that, and Python keeps it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from workers import launch as launch_workers
 import zerolab
