@@ -340,9 +340,10 @@ HOW_TO_READ = """How to read it:
 - over floor ms: the median over rounds of the step minus the floor of the same round: the
   engine's overhead, what it adds to the compute. "overhead vs torch" is the median of the
   per-round ratios of overheads to the torch counterpart's, which ran in the same round
-  seconds apart: the targets are checked on it. Beside each target, a 95% interval for that
-  median (the sign test's: the j-th smallest to the j-th largest ratio, no assumption on how
-  they scatter): where it holds the limit, this run cannot tell the difference from noise;
+  seconds apart: the targets are checked on it. Beside each target, an interval that holds
+  that median with at least 95% probability, its own coverage printed (the sign test's: the
+  j-th smallest to the j-th largest ratio, no assumption on how they scatter; with 30 rounds,
+  96%): where it holds the limit, this run cannot tell the difference from noise;
   more rounds (--steps) narrow it. A round in which the counterpart's step took no longer
   than the floor counts against the stage. Whole-step ratios are printed below the targets.
 - peak: the largest total of live tensor bytes during one step, on the rank with the larger
@@ -364,7 +365,7 @@ HOW_TO_READ = """How to read it:
 - cores busy (gloo): the CPU seconds that every rank's threads (compute, and gloo's, which
   copy every byte sent) spent in a step, over the step's wall seconds. Close to the number of
   cores, the step is bound by the CPU: on one machine, sending costs CPU time too (the kernel
-  copies loopback bytes), so overlapping it with compute hides nothing, and a engine is as
+  copies loopback bytes), so overlapping it with compute hides nothing, and an engine is as
   fast as the CPU work it does. There ZeRO-3, which sends 1.5x DDP's bytes and does DDP's
   compute, cannot be much faster than DDP, whatever FSDP2's time.
 - optimizer: zerolab's engines step their shards in tiles of 2^18 elements on a CPU
