@@ -32,7 +32,8 @@ Timed back to back, in bursts (`measure`): on gloo a send waits until the receiv
 posted its receive (a rendezvous, gloo/transport/tcp/pair.cc), so zerolab's reduce-scatter
 (sends) and all-gather (tree broadcasts) called one after another wait on the slower rank
 each time, and cost more than the same call timed alone from a barrier; a step issues its
-buckets back to back, and the fit should price what a step sees.
+buckets back to back, and the fit should price what a step sees (`burst_bytes` caps a burst:
+notebook 10 times calls of 3 MiB and more one at a time).
 
 On one machine the "link" is the cores: every byte is copied by the sender's and the
 receiver's CPU. With more ranks than cores, ranks wait for a core, and beta grows with N: fit
@@ -167,8 +168,9 @@ def measure(world_size: int | None = None, sizes: Sequence[int] = SIZES,
     back-to-back iterations); their mean is the round's time for that case. A round ends with
     one all-reduce of its times (MAX): a collective's time is its slowest rank's.
     burst_bytes: at most this many bytes of S in one burst, at least one call (None: `burst`
-    calls at every size). A call of many MiB takes milliseconds, so that one call times it as
-    well as a burst would; the sweep's time goes mostly into its largest sizes.
+    calls at every size). A burst averages out the microseconds that a small call's time
+    moves by; a call of many MiB takes milliseconds, and most of a sweep's time goes into its
+    largest sizes.
     """
     if not dist.is_initialized():
         raise RuntimeError("cost.measure times collectives between ranks: call it on every rank "

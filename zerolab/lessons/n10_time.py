@@ -44,7 +44,7 @@ MiB = 1 << 20
 FIT_SIZES = (16 << 10, 64 << 10, 256 << 10, 768 << 10, 3 * MiB, 12 * MiB)  # what the link sees
 CHECK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)  # what it predicts, unseen
 BAND = 0.35  # a prediction within 35% of the measurement passes (issue 29)
-BURST_BYTES = 4 * MiB  # a burst of the sweep holds at most this much S: 12 MiB runs as one call
+BURST_BYTES = 4 * MiB  # a burst of the sweep holds at most this much S: 3 MiB and up, one call
 
 
 @dataclass
