@@ -149,8 +149,11 @@ def where_stuck(caller: subprocess.Popen) -> str:
             masks += f"wchan: {f.read()}\n"
     except OSError as e:
         masks = f"no /proc entry: {e}\n"
-    children = [f"{c.pid} {c.status()} {' '.join(c.cmdline())[:80]}"
-                for c in psutil.Process(caller.pid).children(recursive=True)]
+    try:
+        children = [f"{c.pid} {c.status()} {' '.join(c.cmdline())[:80]}"
+                    for c in psutil.Process(caller.pid).children(recursive=True)]
+    except psutil.Error as e:  # it exited, or a child did, while we looked
+        children = [f"could not list them: {e!r}"]
     caller.send_signal(signal.SIGUSR2)
     time.sleep(1)
     caller.kill()
