@@ -17,8 +17,6 @@ import torch.distributed as dist
 from zerolab import engines, harness
 from zerolab.models import GPT, GPTConfig
 
-LR = 1e-3  # notebook 06's learning rate (n06_fsdp2.LR)
-
 
 @dataclass
 class Clipping:
@@ -38,8 +36,9 @@ def clipping(config: GPTConfig | None = None, global_batch: int = 12) -> Clippin
     torch.nn.utils.clip_grad_norm_ on its DTensor gradients; the single-process reference
     (the whole global batch, torch's clip_grad_norm_) runs on every rank too."""
     from zerolab.comm import record_comm
+    from zerolab.lessons.n06_fsdp2 import COURSE_GPT, LR  # here: n06_fsdp2 imports this file
 
-    config = config or GPTConfig()  # the course's GPT, zerolab.models.GPT()'s own
+    config = config or COURSE_GPT
     rank, world_size = dist.get_rank(), dist.get_world_size()
     norms: dict[str, list[float]] = {}
     full, collectives = {}, {}
