@@ -92,6 +92,24 @@ def test_a_caller_stopped_by_a_signal_leaves_nothing(how, tmp_path):
         caller.kill()
 
 
+def test_a_caller_that_does_not_exit_is_reported_with_where_it_waits(tmp_path):
+    """The report the signal test fails with (helpers.where_stuck), on a caller still waiting
+    for its ranks: its signal masks, its children, its Python stack; then it is gone."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    caller = helpers.start_caller(tmp_path, tmp_path, tmpdir)
+    try:
+        pids = helpers.started(tmp_path)
+        report = helpers.where_stuck(caller)
+        assert "SigIgn:" in report and "wchan:" in report, report
+        assert all(str(p) in report for p in pids["kids"]), report  # its grandchildren listed
+        assert "in _reap" in report and "in launch" in report, report  # faulthandler's stack
+        assert caller.poll() is not None  # killed
+        assert all_gone(pids["ranks"] + pids["kids"]) == []  # its zygote cleaned up after it
+    finally:
+        caller.kill()
+
+
 def test_what_a_caller_killed_with_its_zygote_left_is_cleaned_by_the_next_launch(
         tmp_path, tmpdir_here):
     """The caller's whole process group killed (caller and zygote at once): the ranks die with
