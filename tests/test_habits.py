@@ -158,7 +158,7 @@ def test_model_load_state_dict_fills_every_engine(runs, reference_state_dicts):
 
 
 def test_engine_state_dict_round_trips_per_rank_through_torch_save(runs):
-    """engine.state_dict(), this rank's part, saved with torch.save and read with torch.load's
+    """engine.rank_state_dict(), this rank's part, saved with torch.save and read with torch.load's
     defaults (weights_only) into a fresh engine: the same parameters, and two more steps train
     to the same bits (Adam's state came back too); a full state dict loads as well; another
     rank's part is refused, naming the calls that change the world size."""
@@ -171,7 +171,7 @@ def test_engine_state_dict_round_trips_per_rank_through_torch_save(runs):
             chunked, not_pieces = got.pop("not_pieces")
             if chunked is not None:  # a rank's pieces, given whole instead: refused by name
                 assert not_pieces == (f"{chunked}: expected this rank's pieces "
-                                      "(engine.state_dict()), got Tensor"), not_pieces
+                                      "(engine.rank_state_dict()), got Tensor"), not_pieces
             assert got == {"same_loaded": True, "same_trained_on": True, "full_form": True}, (
                 key, rank)
             assert f"'rank': {rank}" in refused and "zerolab.checkpoint.save" in refused, refused

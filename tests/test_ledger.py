@@ -60,15 +60,16 @@ def test_deepspeed_estimates_sit_beside_zero2_and_zero3(runs):
 
 def test_torch_memtracker_runs_beside_and_agrees_where_it_sees_everything(runs):
     """torch.distributed._tools.MemTracker (on a CPU) on the next, identical step: the same
-    peak for DDP and ZeRO-1; for ZeRO-2 and ZeRO-3 less by the gradient shards, which are the
-    .grad of the engine's shards, not of a module's parameter."""
+    peak for DDP. For ZeRO-1/2/3 a few bytes more: the tracker asks every module it sees for
+    its parameters, the engine too, and a ZeRO engine's are its shards as DTensors (shell.py),
+    built on that first call with their DeviceMesh (a tensor of the N ranks); their .grad are
+    the gradient shards, which the tracker counts as well."""
     for run in runs:
         ledgers = run["ledgers"]
-        for key in ("ddp", "zero1"):
-            assert ledgers[key].torch_peak == ledgers[key].ledger.peak_bytes, key
-        for key in ("zero2", "zero3"):
-            missing = ledgers[key].ledger.peak_bytes - ledgers[key].torch_peak
-            assert 4 * PSI // N <= missing <= 4 * PSI // N + 64, key
+        assert ledgers["ddp"].torch_peak == ledgers["ddp"].ledger.peak_bytes
+        for key in ("zero1", "zero2", "zero3"):
+            mesh = ledgers[key].torch_peak - ledgers[key].ledger.peak_bytes
+            assert 0 < mesh <= 8 * N, (key, mesh)
         assert set(ledgers["ddp"].torch_tracker) >= {"Parameter", "Gradient", "Optstate"}
 
 

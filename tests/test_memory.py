@@ -255,7 +255,7 @@ def test_comm_is_a_category_of_its_own_and_no_model_state():
 
 @pytest.mark.parametrize("engine_cls, kwargs", [
     ("ZeRO2", {}),  # the flattened full gradient of the bucket being reduce-scattered
-    ("ZeRO3", {"quantize_weights": True}),  # qwZ: int8 values and scales gathered
+    ("ZeroPP", {"quantize_weights": True}),  # qwZ: int8 values and scales gathered
 ])
 def test_engines_list_their_buffers_in_flight_as_comm(engine_cls, kwargs):
     """One rank, no process group: the collectives are local copies, the buffers the same."""

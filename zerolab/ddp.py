@@ -10,13 +10,16 @@ bucket is accumulated, a post-accumulate-grad hook starts an asynchronous all-re
 bucket while backward carries on with earlier layers. Each bucket's gradients live in one flat
 buffer (`flat_grad`); the parameters' `.grad` are views into it, so the all-reduce needs no copy.
 
-The stages that follow subclass this one and override its hooks, nothing else:
+The stages that follow subclass this one and override its hooks, nothing else (the shell,
+shell.py, calls them in this order; zerolab/DESIGN.md has the whole table):
 
     hook            DDP (here)            ZeRO-1              ZeRO-2              ZeRO-3
     _materialize    a meta model, whole   DDP's               DDP's               unit by unit
     _make_buckets   greedy, bucket_bytes  same                same                one per unit
-    _shard_model    flat_grad per bucket  + flat_param and    grad_shard instead  only shards
-                                          local_shard views   of flat_grad        kept at rest
+    _shard_model    _grad_buffer each     + flat_param and    ZeRO-1's            only shards
+                                          local_shard views                       kept at rest
+    _grad_buffer    flat_grad; .grad      DDP's               grad_shard only     ZeRO-2's
+                    views it
     _hook_modules   nothing               wait for a gather   ZeRO-1's            unshard and
                                           before forward                          reshard units
     _bucket_ready   _reduce it now        DDP's               DDP's               + reshard
@@ -25,32 +28,24 @@ The stages that follow subclass this one and override its hooks, nothing else:
     _after_step     nothing               all-gather params   ZeRO-1's            nothing
     _slots          each param, whole     own shard / bucket  ZeRO-1's            own shards
 
-Besides the stage: parts/engine_base.py (forward, no_sync, clipping, full_state_dict) and the
-torch habits routed to the engine (parts/habits.py, buffers.py, param_groups.py).
+Besides the stage: shell.py, the module a torch user meets (forward, parameters(), the
+optimizer's step, the end of backward, no_sync, clipping, state dicts), and the torch habits
+it routes to the engine (parts/habits.py, buffers.py, param_groups.py).
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
 from zerolab.memory import Settled, StateTensors, optimizer_tensors
-from zerolab.parts.arguments import check_engine_arguments
-from zerolab.parts.buffers import BufferSync
-from zerolab.parts.engine_base import EngineBase
-from zerolab.parts.habits import route_zero_grad
-from zerolab.parts.materialize import broadcast_from_rank0, materialize, where
-from zerolab.parts.mixed_precision import MixedPrecisionPolicy
-from zerolab.parts.param_groups import ParamGroups, bucket_params
-from zerolab.parts.tiles import OptimizerTiles, default_tile_numel
+from zerolab.parts.materialize import materialize
+from zerolab.parts.param_groups import bucket_params
 from zerolab.sharding import Bucket, FlatLayout, Slot
+from zerolab.shell import EngineShell
 
 DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB: small, so that the course's small models get buckets
 
@@ -60,65 +55,26 @@ class GradBucket(Bucket):
     fresh: bool = False  # gradients were accumulated into it since its last reduction
 
 
-class DDP(EngineBase):
+@dataclass(frozen=True)
+class DDPOptions:
+    """DDP's own keyword arguments (the shell takes the rest: shell.py)."""
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES  # a bucket closes once it holds this many bytes
+
+
+class DDP(EngineShell):
     """Data parallel with bucketed gradient all-reduce overlapping backward.
 
-    engine = DDP(model, torch.optim.AdamW, lr=1e-3)
+    engine = DDP(model, torch.optim.AdamW, lr=1e-3, bucket_bytes=1 << 20)
     loss_fn(engine(x), y).backward(); engine.step(); engine.zero_grad()
 
-    param_groups=[{"params": [...], "weight_decay": 0.1}, ...] as torch's (param_groups.py);
-    broadcast_buffers=False: no broadcast of rank 0's buffers before a forward (buffers.py).
+    The shell (shell.py) takes group=, param_dtype=, param_groups=[{"params": [...],
+    "weight_decay": 0.1}, ...] (param_groups.py), broadcast_buffers= (buffers.py) and the
+    optimizer's keyword arguments; DDPOptions the stage's own.
     """
 
     name = "ddp"  # first part of every comm tag
-    grads_in_buckets = True  # every .grad is a view into its bucket's flat_grad (not ZeRO-2/3)
-
-    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 group: dist.ProcessGroup | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 param_dtype: torch.dtype | None = None,
-                 optimizer_tile_numel: int | None | Literal["auto"] = "auto",
-                 param_groups: Sequence[dict[str, Any]] | None = None,
-                 broadcast_buffers: bool = True, **optimizer_kwargs):
-        check_engine_arguments(model, optimizer_cls, optimizer_kwargs)
-        self.groups = ParamGroups.of(model, param_groups)  # which parameters share a bucket
-        self.module = model
-        self.group = group
-        self.job_group = group  # every rank of this training job (HSDP's spans several groups)
-        self.rank, self.world_size, self.device = where(group)
-        self.bucket_bytes = bucket_bytes
-        self._pending: list[tuple[comm.Handle, Callable[[], None] | None]] = []  # (in flight, then)
-        self._backward_seen = False  # a gradient was accumulated since the last step
-        self._grads_synced = False  # this step's gradients are reduced (step or clipping did it)
-        self._sync = True  # False inside no_sync(): gradients accumulate locally, unreduced
-        self._views: dict[nn.Parameter, torch.Tensor] = {}  # each .grad's view into its bucket
-        self._materialize()  # a model built on the meta device gets its values here
-        broadcast_from_rank0(model, group, tag=f"{self.name}/init")
-        self.precision = MixedPrecisionPolicy(param_dtype)
-        fp32_values = self.precision.cast_module(model)  # {} in fp32
-        self.buckets = self._make_buckets()
-        self._shard_model()
-        self.slots = self._slots()  # what this rank holds and steps, by parameter run
-        self.masters = self.precision.masters(self.slots, fp32_values, self.rank)
-        # The optimizer steps the masters in cache-sized tiles on a CPU (tiles.py): same result.
-        if optimizer_tile_numel == "auto":
-            optimizer_tile_numel = default_tile_numel(self.device)
-        self.tiles = OptimizerTiles(self.masters, optimizer_tile_numel)
-        self.optimizer = optimizer_cls(self.groups.optimizer_params(self.slots, self.tiles),
-                                       **optimizer_kwargs)
-        self.tiles.attach(self.optimizer)
-        for bucket in self.buckets:
-            for p in bucket.params:
-                if self.grads_in_buckets:  # before autograd adds into .grad (a tensor hook)
-                    p.register_hook(functools.partial(self._grad_arriving, bucket, p))
-                p.register_post_accumulate_grad_hook(
-                    functools.partial(self._grad_accumulated, bucket))
-        self.buffers = BufferSync.attach(self, broadcast_buffers)  # before each forward
-        self._hook_modules()
-        self._hook_module_state()  # model.state_dict() and load_state_dict() (parts/habits.py)
-        route_zero_grad(self)  # model.zero_grad(), optimizer.zero_grad(): the engine's
-        # Final parameter objects (a meta model's were replaced), listed once for the tracker
-        self._params = list(model.parameters())
+    Options = DDPOptions
 
     # ---- set-up: what each rank holds ---------------------------------------------------------
 
@@ -131,15 +87,21 @@ class DDP(EngineBase):
         A parameter is never split; a bucket holds one parameter group of one dtype."""
         params = reversed([p for p in self.module.parameters() if p.requires_grad])
         return [GradBucket(f"bucket{i}", ps, FlatLayout.of(ps, self.world_size)) for i, ps in
-                enumerate(bucket_params(list(params), self.bucket_bytes, self.groups.key))]
+                enumerate(bucket_params(list(params), self.options.bucket_bytes,
+                                        self.groups.key))]
 
     def _shard_model(self) -> None:
-        """DDP shards nothing. Each bucket gets a flat gradient buffer; .grad are views of it."""
+        """DDP shards nothing: each bucket gets its gradient buffer."""
+        self._views: dict[nn.Parameter, torch.Tensor] = {}  # each .grad's view into its bucket
         for b in self.buckets:
-            p0 = b.params[0]
-            b.flat_grad = torch.zeros(b.layout.padded_numel, dtype=p0.dtype, device=p0.device)
-            for p, offset in zip(b.params, b.layout.offsets):
-                self._views[p] = p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
+            self._grad_buffer(b)
+
+    def _grad_buffer(self, b: GradBucket) -> None:
+        """A flat gradient buffer per bucket, (padded_numel,); the .grad are views of it."""
+        p0 = b.params[0]
+        b.flat_grad = torch.zeros(b.layout.padded_numel, dtype=p0.dtype, device=p0.device)
+        for p, offset in zip(b.params, b.layout.offsets):
+            self._views[p] = p.grad = b.flat_grad[offset:offset + p.numel()].view_as(p)
 
     def _slots(self) -> list[Slot]:
         """DDP: the optimizer steps each parameter, whole, the same on every rank."""
@@ -168,8 +130,9 @@ class DDP(EngineBase):
             self._wait_pending()
 
     def _grad_accumulated(self, bucket: GradBucket, param: nn.Parameter) -> None:
-        # Fires once per backward, after autograd summed every use of param (tied, reused).
-        self._backward_seen = bucket.fresh = True
+        """Autograd summed every use of param (tied, reused): once the bucket's last gradient
+        is in, it is ready."""
+        bucket.fresh = True
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             bucket.ready = 0  # counted afresh in the next backward (next micro-batch)
@@ -210,15 +173,7 @@ class DDP(EngineBase):
                 on_done()
         self._pending.clear()
 
-    # ---- the step -----------------------------------------------------------------------------
-
-    def step(self) -> None:
-        """Finish gradient synchronisation, step the optimizer, then re-sync what needs it."""
-        self._sync_grads()
-        pairs = [(master, slot.tensor) for master, slot in zip(self.masters, self.slots)]
-        self.precision.step(self.optimizer, pairs)
-        self._after_step()
-        self._backward_seen = self._grads_synced = False
+    # ---- the step: what the stage adds ---------------------------------------------------------
 
     def _after_step(self) -> None:
         """DDP: every rank took the same step on the same averaged gradients: nothing to do."""

@@ -10,7 +10,8 @@ formulas live in zerolab.theory. The harness, the bench, the checkpoints, the no
 grader reach every engine through `Engine` below and find it by its key here: one table, so
 that a label, a formula or a torch counterpart is written once.
 
-Torch habits every zerolab engine keeps (tests/test_habits.py holds each to the single-process
+Torch habits every zerolab engine keeps (zerolab/shell.py is the module a torch user meets;
+tests/test_habits.py and tests/test_torch_contract.py hold each habit to the single-process
 reference and to torch's DDP running the same loop):
 
 - zeroing through the model or the optimizer: `model.zero_grad()`, `engine.optimizer.
@@ -24,10 +25,10 @@ reference and to torch's DDP running the same loop):
   anything else calls `wait_params()` first);
 - `model.state_dict()` and `model.load_state_dict(full)` in full tensors, under ZeRO-3 too
   (there, collectives: every rank calls them, as FSDP2's get_model_state_dict);
-- `engine.state_dict()`: this rank's part of the model and the optimizer (plain data: torch.save
-  and torch.load's defaults take it), and `engine.load_state_dict(part or full)`: the same
-  engine, rank and world size, or a full state dict (parts/rank_state.py; zerolab.checkpoint
-  for any world size);
+- `engine.rank_state_dict()`: this rank's part of the model and the optimizer (plain data:
+  torch.save and torch.load's defaults take it), and `engine.load_state_dict(part or full)`:
+  the same engine, rank and world size, or a full state dict (parts/rank_state.py;
+  zerolab.checkpoint for any world size); `engine.state_dict()` is torch DDP's ("module.");
 - buffers broadcast from rank 0 before a training forward, as torch's DDP
   (`broadcast_buffers=False` to keep each rank's own; parts/buffers.py);
 - parameter groups, spelled as torch's: `param_groups=[{"params": [...], "weight_decay": 0.1},
@@ -87,7 +88,8 @@ class ShardedEngine(Engine, Protocol):
     the plain model's state_dict ("model") and FSDP2's get_optimizer_state_dict
     ("optimizer"), each tensor as the rectangles of it this rank holds; and
     `load_engine_state_dict(engine, full)` loads full tensors, each rank taking its part.
-    engine.state_dict() / load_state_dict() are the same part as plain data (rank_state.py)."""
+    engine.rank_state_dict() / load_state_dict() are the same part as plain data
+    (rank_state.py)."""
 
     name: str  # first part of every comm tag: "zero2"
     rank: int  # this rank in `group`

@@ -37,10 +37,11 @@ class HSDP(ZeRO3):
                  shard_size: int, group: dist.ProcessGroup | None = None, **kwargs):
         if not dist.is_initialized():
             raise ValueError("HSDP needs a process group: run it on ranks (zerolab.launch)")
-        self.nodes = make_nodes(shard_size, group)  # raises if the world does not split
+        nodes = make_nodes(shard_size, group)  # raises if the world does not split
         # Replicas must start equal too: ZeRO-3 broadcasts only inside its group (the node).
         broadcast_from_rank0(model, group, tag=f"{self.name}/init")
-        super().__init__(model, optimizer_cls, group=self.nodes.node, **kwargs)
+        super().__init__(model, optimizer_cls, group=nodes.node, **kwargs)
+        self.nodes = nodes  # this rank's node (the engine's group) and its replicas (across)
         self.job_group = group  # every rank of the job: checkpoints and recorders span it
 
     def _accumulate(self, bucket: GradShardedBucket, received: torch.Tensor,

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from zerolab import comm
-from zerolab.ddp import DDP, GradBucket
+from zerolab.ddp import DDP, DDPOptions, GradBucket
 from zerolab.memory import InFlight
 from zerolab.sharding import Slot, flatten, shard, unflatten
 
@@ -55,23 +55,36 @@ class ShardedBucket(GradBucket):
     kept: torch.Tensor | None = None  # (shard_numel,) that shard, set aside while more is added
 
 
+@dataclass(frozen=True)
+class ZeRO1Options(DDPOptions):
+    """ZeRO-1's keyword arguments: DDP's, and when to wait for the parameters' gather."""
+
+    prefetch: bool = False  # True: gather parameters asynchronously, wait at first use
+
+
 class ZeRO1(DDP):
     name = "zero1"
+    shards_params = True  # engine.parameters(): this rank's shards (shell.py)
+    Options = ZeRO1Options
 
-    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 prefetch: bool = False, **kwargs):
-        super().__init__(model, optimizer_cls, **kwargs)
-        self.prefetch = prefetch  # opt-in: gather parameters asynchronously, wait at first use
-        self._param_gathers: dict[str, comm.Handle] = {}  # bucket name -> gather in flight
-        self.in_flight = InFlight()  # buffers collectives use now: state_tensors()["comm"]
+    @property
+    def prefetch(self) -> bool:  # ZeRO1Options.prefetch
+        return self.options.prefetch
 
     def _make_buckets(self) -> list[ShardedBucket]:
         return [ShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]
 
     def _shard_model(self) -> None:
-        super()._shard_model()  # full flat gradient buffers, as in DDP
+        self._start_gathers()
         for b in self.buckets:
             self._flatten_params(b)
+        super()._shard_model()  # DDP's: a gradient buffer per bucket (ZeRO-2: a shard of one)
+
+    def _start_gathers(self) -> None:
+        """Nothing in flight yet: parameter gathers (bucket name -> handle; prefetch=True leaves
+        them running after step()), and the buffers collectives use ("comm" in state_tensors)."""
+        self._param_gathers: dict[str, comm.Handle] = {}
+        self.in_flight = InFlight()
 
     def _flatten_params(self, b: ShardedBucket, flat: torch.Tensor | None = None) -> None:
         """Move the bucket's parameters into one flat buffer (`flat`: one built already)."""
@@ -201,9 +214,6 @@ class ZeRO1AfterBackward(ZeRO1):
     sets them side by side on a timeline)."""
 
     name = "zero1_after_backward"
-
-    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
-        super().__init__(model, optimizer_cls, prefetch=False, **kwargs)
 
     def _bucket_ready(self, bucket: ShardedBucket) -> None:
         """Nothing during backward: step() reduce-scatters every bucket."""

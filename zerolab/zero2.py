@@ -43,15 +43,11 @@ class ZeRO2(ZeRO1):
     def _make_buckets(self) -> list[GradShardedBucket]:
         return [GradShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]
 
-    def _shard_model(self) -> None:
-        super()._shard_model()
-        self._views.clear()  # DDP's .grad views into flat_grad would keep every one alive (4Ψ)
-        for b in self.buckets:
-            b.flat_grad = None  # no full gradient buffer: autograd allocates .grad per backward
-            for p in b.params:
-                p.grad = None
-            b.grad_shard = torch.zeros_like(b.local_shard)
-            b.local_shard.grad = b.grad_shard  # the optimizer reads the shard's gradient here
+    def _grad_buffer(self, b: GradShardedBucket) -> None:
+        """No full gradient buffer (autograd allocates each .grad per backward): a persistent
+        (shard_numel,) shard of one, which the optimizer reads as the shard's gradient."""
+        b.grad_shard = torch.zeros_like(b.local_shard)
+        b.local_shard.grad = b.grad_shard
 
     def _reduce(self, bucket: GradShardedBucket, phase: str) -> None:
         """Flatten the bucket's full gradients, free them, reduce-scatter into grad_shard.

@@ -31,11 +31,14 @@ parameters, and the root's (the model itself: embeddings, final LayerNorm, share
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from zerolab import comm
+from zerolab.parts.arguments import refuse_unit_arguments
 from zerolab.parts.habits import hook_gathered_state
 from zerolab.parts.materialize import materialize, materialize_flat, param_names
 from zerolab.parts.nest import tensors_in
@@ -45,44 +48,38 @@ from zerolab.units import Unit, UnitSpec, make_units
 from zerolab.zero2 import GradShardedBucket, ZeRO2
 
 
+@dataclass(frozen=True)
+class ZeRO3Options:
+    """ZeRO-3's keyword arguments (FSDP2's knobs); no bucket_bytes: a unit is a bucket."""
+
+    units: Sequence[UnitSpec] | None = None  # the modules that form the units (units.py)
+    prefetch: bool = True  # gather the next unit while this one computes
+    reshard_after_forward: bool = True  # False: units stay gathered from forward to backward
+
+
 class ZeRO3(ZeRO2):
     name = "zero3"
-
-    # Note: `ZeRO3(model, AdamW, quantize_weights=True)` (design.md) builds ZeRO++: __new__
-    # hands a call naming a subclass's `options` to that subclass (found among ZeRO3's
-    # subclasses, so this file imports nothing of ZeRO++), and Python initialises it.
-    options: tuple[str, ...] = ()  # keyword arguments a subclass adds to ZeRO-3's
+    Options = ZeRO3Options
     keeps_root = True  # the root stays gathered from forward to backward (FSDP2's does)
 
-    def __new__(cls, *args, **kwargs):
-        if cls is ZeRO3:
-            for sub in cls.__subclasses__():
-                if any(kwargs.get(name) for name in sub.options):
-                    return super().__new__(sub)
-        return super().__new__(cls)
+    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
+                 **kwargs: Any):
+        refuse_unit_arguments(type(self).__name__, self.Options, kwargs)  # parts/arguments.py
+        super().__init__(model, optimizer_cls, **kwargs)
 
-    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 units: Sequence[UnitSpec] | None = None, prefetch: bool = True,
-                 reshard_after_forward: bool = True, **kwargs):
-        if "bucket_bytes" in kwargs:
-            raise TypeError("ZeRO3 takes no bucket_bytes: each unit's gradients are reduced "
-                            "as one bucket when its backward is over (choose units=[...]).")
-        for name in {n for sub in ZeRO3.__subclasses__() for n in sub.options} - {*self.options}:
-            if kwargs.pop(name, None):  # False / None: plain ZeRO-3, as __new__ decided
-                raise TypeError(f"{type(self).__name__} takes no {name} (a ZeRO++ option: "
-                                "zerolab.ZeroPP)")
-        self.units = make_units(model, units)  # which parameters each unit gathers, root last
-        self.root = self.units[-1]
-        self._ready: dict[str, int] = {}  # unit name -> its buckets reduced in this backward
-        self.reshard_after_forward = reshard_after_forward  # False: keep units for backward
-        super().__init__(model, optimizer_cls, prefetch=prefetch, **kwargs)
-        self._unit_of = {b.name: u for u in self.units for b in u.buckets}
+    @property
+    def reshard_after_forward(self) -> bool:  # ZeRO3Options.reshard_after_forward
+        return self.options.reshard_after_forward
 
     # ---- set-up: each unit's shards -----------------------------------------------------------
 
     def _make_buckets(self) -> list[GradShardedBucket]:
-        """Per unit, a flat bucket of its trainable parameters (reduced and stepped) and one of
-        its frozen ones (sharded, never reduced); one per group and dtype (param_groups.py)."""
+        """The units (units.py: which parameters each gathers, the root last); per unit, a flat
+        bucket of its trainable parameters (reduced and stepped) and one of its frozen ones
+        (sharded, never reduced); one per group and dtype (param_groups.py)."""
+        self.units = make_units(self.module, self.options.units)
+        self.root = self.units[-1]
+        self._ready: dict[str, int] = {}  # unit name -> its buckets reduced in this backward
         for unit in self.units:
             unit.buckets = []
             for trainable in (True, False):
@@ -91,6 +88,7 @@ class ZeRO3(ZeRO2):
                 unit.buckets += [GradShardedBucket(name + (f".{i}" if i else ""), run,
                                                    FlatLayout.of(run, self.world_size))
                                  for i, run in enumerate(bucket_params(ps, 1e30, self.groups.key))]
+        self._unit_of = {b.name: u for u in self.units for b in u.buckets}
         return [b for u in self.units for b in u.buckets if b.params[0].requires_grad]
 
     def _materialize(self) -> None:
@@ -100,7 +98,9 @@ class ZeRO3(ZeRO2):
 
     def _shard_model(self) -> None:
         """Give each rank its own shard of every flat_param, then free the full buffers."""
+        self._start_gathers()  # ZeRO-1's
         names = param_names(self.module)
+        self._accumulators: list = []  # each parameter's gradient accumulator, made whole
         for unit in self.units:
             for b in unit.buckets:
                 flat = None
@@ -108,10 +108,14 @@ class ZeRO3(ZeRO2):
                     flat = materialize_flat(self.module, b.params, [names[p] for p in b.params],
                                             b.layout, self.device)
                 self._flatten_params(b, flat)  # ZeRO-1's: flat_param, views, local_shard view
+                # Autograd checks a gradient against its parameter's shape when the parameter's
+                # gradient accumulator was made (the end-of-backward hook, shell.py, makes
+                # them): make and keep them while the parameters are whole, not 0-element.
+                self._accumulators += [p.view_as(p).grad_fn.next_functions[0][0]
+                                       for p in b.params if p.requires_grad]
                 b.local_shard.data = b.local_shard.detach().clone()  # its own (shard_numel,)
                 if b.local_shard.requires_grad:
-                    b.grad_shard = torch.zeros_like(b.local_shard)
-                    b.local_shard.grad = b.grad_shard
+                    self._grad_buffer(b)  # ZeRO-2's gradient shard
             self.reshard(unit)
 
     def frozen_slots(self) -> list[Slot]:

@@ -2,7 +2,6 @@
 
     engine = zerolab.ZeroPP(model, torch.optim.AdamW, quantize_weights=True,
                             secondary_shard_size=2, lr=1e-3)
-    # the same engine, as design.md spells it: zerolab.ZeRO3(model, ..., quantize_weights=True)
 
 What changes from ZeRO-3 (zero3.py): how a unit's weights travel (`_gather`), hpZ's secondary
 shard kept between forward and backward (`post_forward`, `post_backward`), and how its
@@ -37,6 +36,9 @@ halves the bytes again; notebook 09 measures what each costs the loss.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -55,9 +57,19 @@ from zerolab.sharding import flatten
 from zerolab.units import Unit
 from zerolab.wire.backends import Joined
 from zerolab.zero2 import GradShardedBucket
-from zerolab.zero3 import ZeRO3
+from zerolab.zero3 import ZeRO3, ZeRO3Options
 
 GRAD_BITS = {True: 8, "int8": 8, "int4": 4}  # quantize_grads= -> bits per gradient value
+
+
+@dataclass(frozen=True)
+class ZeroPPOptions(ZeRO3Options):
+    """ZeRO-3's keyword arguments and ZeRO++'s three ideas (the module docstring)."""
+
+    quantize_weights: bool = False  # qwZ: the forward all-gather in int8
+    secondary_shard_size: int | None = None  # hpZ: k ranks a node; None or 0 is off
+    quantize_grads: bool | str = False  # qgZ: True / "int8", or "int4"
+    node_size: int | None = None  # qgZ's nodes when hpZ is off
 
 
 class ZeroPP(ZeRO3):
@@ -65,24 +77,26 @@ class ZeroPP(ZeRO3):
     the node) and/or qgZ (quantised gradients, reduced inside then across nodes)."""
 
     name = "zeropp"
-    options = ("quantize_weights", "secondary_shard_size", "quantize_grads", "node_size")
+    Options = ZeroPPOptions
 
-    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
-                 quantize_weights: bool = False, secondary_shard_size: int | None = None,
-                 quantize_grads: bool | str = False, node_size: int | None = None, **kwargs):
-        # The nodes first: ZeRO-3's set-up reshards every unit (post_backward is not run).
-        self.quantize_weights = quantize_weights
-        self.secondary_shard_size = secondary_shard_size  # hpZ: None or 0 is off
-        self.grad_bits = _grad_bits(quantize_grads, secondary_shard_size, node_size)
-        size, group = secondary_shard_size or node_size, kwargs.get("group")
-        if size and not secondary_shard_size and dist.get_world_size(group) % size:
+    def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
+                 **kwargs: Any):
+        # What makes no sense is refused before anything is built.
+        secondary, node_size = kwargs.get("secondary_shard_size"), kwargs.get("node_size")
+        grad_bits = _grad_bits(kwargs.get("quantize_grads", False), secondary, node_size)
+        size, group = secondary or node_size, kwargs.get("group")
+        if size and not secondary and dist.get_world_size(group) % size:
             raise ValueError(f"{dist.get_world_size(group)} ranks do not split into nodes of "
                              f"node_size={size}")
+        super().__init__(model, optimizer_cls, **kwargs)
+        self.grad_bits = grad_bits  # qgZ: bits per gradient value, None when off
         self.nodes: Nodes | None = make_nodes(size, group) if size else None
         self.secondary: dict[str, torch.Tensor] = {}  # bucket name -> (padded_numel / k,)
-        # qwZ: the root's forward weights are int8-rounded; backward gathers the exact ones.
-        self.keeps_root = not quantize_weights
-        super().__init__(model, optimizer_cls, **kwargs)
+
+    @property
+    def keeps_root(self) -> bool:
+        """qwZ: the root's forward weights are int8-rounded; backward gathers the exact ones."""
+        return not self.options.quantize_weights
 
     # ---- how a unit's weights travel -----------------------------------------------------------
 
@@ -91,7 +105,7 @@ class ZeroPP(ZeRO3):
             return comm.all_gather(b.flat_param, self.secondary[b.name],
                                    tag=f"{self.name}/{phase}/{b.name}", group=self.nodes.node,
                                    async_op=async_op)
-        if phase == "fwd" and self.quantize_weights:  # qwZ
+        if phase == "fwd" and self.options.quantize_weights:  # qwZ
             return self._gather_int8(b, phase, async_op)
         return super()._gather(b, phase, async_op)
 
@@ -117,7 +131,7 @@ class ZeroPP(ZeRO3):
     # ---- hpZ: the secondary shard, from forward to backward ------------------------------------
 
     def post_forward(self, unit: Unit, output) -> None:
-        if self.secondary_shard_size and not unit.in_backward:
+        if self.options.secondary_shard_size and not unit.in_backward:
             for u in self._freed_after_forward(unit, output):  # what is about to be freed
                 for b in u.buckets if u.unsharded else []:
                     self._keep_secondary(b)

@@ -258,12 +258,12 @@ def state_dicts(key: str) -> dict:
 
 
 def engine_state_dicts(key: str) -> dict:
-    """engine.state_dict() (this rank's part) through torch.save and torch.load (weights_only,
+    """engine.rank_state_dict() (this rank's part) through torch.save and torch.load (weights_only,
     torch's default) into a fresh engine of other seeds, which must then hold and train on
     exactly as the saved one does; and engine.load_state_dict() of a full state dict."""
     model, engine, rank, world_size = trained(key)
     buffer = io.BytesIO()
-    torch.save(engine.state_dict(), buffer)
+    torch.save(engine.rank_state_dict(), buffer)
     buffer.seek(0)
     fresh_model = gpt(seed=rank + 11)
     fresh = make(key, fresh_model)

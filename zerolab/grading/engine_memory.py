@@ -41,9 +41,11 @@ SHOWN = ("params", "grads", "optimizer", "kept params", "activations", "other")
 
 def _found(obj: Any, kind: type, depth: int = 6, seen: set | None = None) -> list[Any]:
     """The objects of `kind` (optimizers, parameters) an engine keeps in its attributes, in
-    lists, dicts and objects of its own a few levels down; not in the model."""
+    lists, dicts and objects of its own a few levels down; not in the model (nor any module
+    inside the engine)."""
+    root = seen is None  # the engine itself, which may be a module (zerolab's are)
     seen = set() if seen is None else seen
-    if id(obj) in seen or depth < 0 or isinstance(obj, torch.nn.Module):
+    if id(obj) in seen or depth < 0 or (isinstance(obj, torch.nn.Module) and not root):
         return []
     seen.add(id(obj))
     if isinstance(obj, kind):

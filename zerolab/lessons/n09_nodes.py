@@ -279,8 +279,9 @@ def loss_curve(quantize_weights: bool, steps: int = CURVE_STEPS, **options) -> l
     rank, world_size = rank_and_size()
     corpus = Corpus.builtin()
     model = GPT(curve_config())
-    engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=CURVE_LR,
-                                 quantize_weights=quantize_weights, **options)
+    options = {"quantize_weights": quantize_weights, **options} if quantize_weights else options
+    engine = engines.make_engine("zeropp" if options else "zero3", model, torch.optim.AdamW,
+                                 lr=CURVE_LR, **options)
     losses = []
     for step in range(steps):
         x, y = harness.local_rows(corpus.batch(CURVE_BATCH, CURVE_SEQ, seed=step), rank,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -30,3 +31,55 @@ def check_engine_arguments(model: nn.Module, optimizer_cls: object,
     if "params" in (optimizer_kwargs or {}):
         raise TypeError(f"the engine builds the optimizer over the shards it steps, so it takes "
                         f"no params=; name parameter groups with {GROUPS_SPELLING}")
+
+
+# Note: which optimizers may step a flat shard. An elementwise optimizer (SGD, Adam, AdamW, ...)
+# updates each element from that element's own gradient history, so stepping any slice of a
+# flat buffer, a ZeRO shard or a CPU tile (tiles.py), equals stepping each parameter whole. A
+# matrix optimizer does not: Adafactor keeps a row and a column moment per matrix, Muon
+# orthogonalises each matrix's update. Cut into 1-D pieces, they would train a different model
+# without a word, so the sharded stages refuse them by name, and DDP steps them on whole
+# parameters (no tiles). LBFGS re-evaluates the loss through a closure inside its step: refused.
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
+    "Rprop", "ASGD") if hasattr(torch.optim, name))
+
+
+def elementwise(optimizer_cls: type[torch.optim.Optimizer]) -> bool:
+    """Whether each element's update depends on that element alone (the Note above)."""
+    return issubclass(optimizer_cls, ELEMENTWISE)
+
+
+def check_optimizer(optimizer_cls: type[torch.optim.Optimizer], engine: str,
+                    shards: bool) -> None:
+    """Refuse, by name, an optimizer the engine cannot step as torch would."""
+    name = optimizer_cls.__name__
+    if issubclass(optimizer_cls, torch.optim.LBFGS):
+        raise TypeError(f"{engine} cannot run {name}: it calls a closure that re-evaluates "
+                        f"the loss inside its step, while the engine reduces gradients in "
+                        f"backward and steps once. Use a first-order optimizer (AdamW, SGD).")
+    if issubclass(optimizer_cls, torch.optim.SparseAdam):
+        raise TypeError(f"{engine} cannot run {name}: it needs sparse gradients, and the "
+                        f"engine reduces dense ones.")
+    if shards and not elementwise(optimizer_cls):
+        raise TypeError(
+            f"{engine} steps flat 1-D shards that cut parameters apart, so it runs only "
+            f"elementwise optimizers ({', '.join(c.__name__ for c in ELEMENTWISE)}); {name} "
+            f"is not one of them (a matrix optimizer such as Adafactor or Muon needs each "
+            f"matrix whole). Use zerolab.DDP, which steps whole parameters, for {name}.")
+
+
+ZEROPP_OPTIONS = {"quantize_weights", "secondary_shard_size", "quantize_grads", "node_size"}
+
+
+def refuse_unit_arguments(engine: str, options: type, kwargs: dict[str, Any]) -> None:
+    """ZeRO-3 and its subclasses: bucket_bytes means nothing (a unit is a bucket), and ZeRO++'s
+    options belong to zerolab.ZeroPP (whose Options take them)."""
+    if "bucket_bytes" in kwargs:
+        raise TypeError(f"{engine} takes no bucket_bytes: each unit's gradients are reduced as "
+                        f"one bucket when its backward is over (choose units=[...]).")
+    taken = {f.name for f in dataclasses.fields(options)}
+    zeropp = sorted(ZEROPP_OPTIONS & set(kwargs) - taken)
+    if zeropp:
+        raise TypeError(f"{engine} takes no {', '.join(zeropp)}: ZeRO++'s options build "
+                        f"zerolab.ZeroPP(model, optimizer_cls, {zeropp[0]}=..., ...)")

@@ -5,13 +5,16 @@ the model's state dict; torch's DDP and FSDP2 accept all of it. Under an engine 
 parameters, their gradients and the optimizer's tensors are laid out by the engine, so each of
 these habits is routed to it here:
 
-- `route_zero_grad`: `model.zero_grad()` and `engine.optimizer.zero_grad()` become
-  `engine.zero_grad()` (the Note below);
+- `route_optimizer`: `model.zero_grad()` and `engine.optimizer.zero_grad()` become
+  `engine.zero_grad()` (the Note below), `engine.optimizer.step()` becomes `engine.step()`;
+- `guard_user_optimizers`: a torch optimizer of the user's over the engine's shards works, one
+  over the sharded model's own parameters is refused (the second Note);
+- `refuse_module_conversions`: `model.double()` after wrapping is refused;
 - `hook_module_state`: `model.state_dict()` waits for parameters still being gathered (ZeRO-1/2
   with prefetch=True), and so does `model.load_state_dict(...)`, after which the fp32 masters
   of a mixed-precision engine take the loaded values;
 - `hook_gathered_state` (ZeRO-3): `model.state_dict()` gathers full tensors, and
-  `model.load_state_dict(full)` loads them into this rank's shards (the second Note).
+  `model.load_state_dict(full)` loads them into this rank's shards (the third Note).
 """
 
 from __future__ import annotations
@@ -22,6 +25,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from zerolab.sharding import shard
 
@@ -43,8 +50,9 @@ from zerolab.sharding import shard
 # engine warns that it does, naming the calls that zero (zero2.py, NOT_ZEROED).
 
 
-def route_zero_grad(engine: Any) -> None:
-    """Make engine.module.zero_grad() and engine.optimizer.zero_grad() the engine's."""
+def route_optimizer(engine: Any) -> None:
+    """Make engine.module.zero_grad(), engine.optimizer.zero_grad() and engine.optimizer.step()
+    the engine's; engine.optimizer.state_dict() refuses where one rank's cannot resume."""
     ref = weakref.ref(engine)  # the model must not keep the engine alive
 
     def module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
@@ -59,9 +67,107 @@ def route_zero_grad(engine: Any) -> None:
             return type(optimizer).zero_grad(optimizer, set_to_none)
         e.zero_grad(set_to_none)
 
+    def optimizer_step(optimizer: torch.optim.Optimizer, closure=None, **kwargs):
+        e = ref()
+        if e is None or e.optimizer is not optimizer or e.stepping:  # the engine's own call
+            return type(optimizer).step(optimizer, closure, **kwargs)
+        if closure is not None:
+            raise TypeError(f"{type(e).__name__}.optimizer.step(closure): the engine reduces "
+                            "gradients in backward and steps once; an optimizer that calls a "
+                            "closure to re-evaluate the loss (LBFGS) is not supported. Call "
+                            "loss.backward(), then optimizer.step() with no argument.")
+        e.step()
+
+    def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
+        e = ref()
+        if e is not None and e.optimizer is optimizer and e.shards_params and \
+                e.world_size > 1:
+            raise RuntimeError(ONE_RANKS_STATE.format(type(e).__name__))
+        return type(optimizer).state_dict(optimizer)
+
     # Bound to the object itself, so that copy.deepcopy binds the copy's to the copy.
     engine.module.zero_grad = types.MethodType(module_zero_grad, engine.module)
     engine.optimizer.zero_grad = types.MethodType(optimizer_zero_grad, engine.optimizer)
+    engine.optimizer.step = types.MethodType(optimizer_step, engine.optimizer)
+    engine.optimizer.state_dict = types.MethodType(optimizer_state_dict, engine.optimizer)
+
+
+ONE_RANKS_STATE = (
+    "{0}.optimizer.state_dict(): this rank's optimizer holds the state of its own shards only, "
+    "which cannot resume the other ranks (torch's ZeroRedundancyOptimizer refuses it too). Save "
+    "every rank's part with zerolab.checkpoint.save(engine, folder) (any world size on load), "
+    "or torch.save(engine.rank_state_dict(), f'rank{{rank}}.pt') on every rank (the same world "
+    "size); model.module.state_dict() (a collective under ZeRO-3) holds the full weights.")
+
+
+# Note: a torch optimizer the user builds. torch's DDP averages every .grad before backward
+# returns, so any optimizer over the model's parameters takes the right step; FSDP2 shards
+# the parameters themselves, so an optimizer over model.parameters() steps this rank's shards.
+# Under zerolab's ZeRO-1/2/3 the model's own parameters are not what the ranks agree on: their
+# .grad is stale (ZeRO-1), None (ZeRO-2) or their values 0-element (ZeRO-3). An optimizer over
+# them would step silently wrong, so any optimizer's step over them is refused, naming the
+# calls that work: engine.optimizer, or an optimizer over engine.parameters() (the shards,
+# shard_params.py), after whose step the next forward gathers the parameters again. torch runs
+# hooks registered with register_optimizer_step_pre_hook/post_hook around every optimizer's
+# step; the engine's own optimizer is let through at once.
+
+
+def guard_user_optimizers(engine: Any) -> None:
+    """Refuse torch optimizers stepping what the engine shards; note those stepping its shards."""
+    ref = weakref.ref(engine)
+    module_params = {id(p) for p in engine.module.parameters()}
+
+    def stepped_params(optimizer):
+        return [p for g in optimizer.param_groups for p in g["params"]]
+
+    def before(optimizer, args, kwargs) -> None:
+        e = ref()
+        if e is None or optimizer is e.optimizer:
+            return
+        params = stepped_params(optimizer)
+        if any(id(p) in module_params or (e.shard_params is not None and e.shard_params.holds(p))
+               for p in params):
+            e._sync_if_backward()  # gradients reduced before anyone steps on them
+        if e.shards_params and any(id(p) in module_params for p in params):
+            raise RuntimeError(WRONG_PARAMS.format(type(e).__name__))
+        if e.shard_params is not None and any(e.shard_params.holds(p) for p in params):
+            if e.precision.param_dtype is not None:
+                raise RuntimeError(f"{type(e).__name__}(param_dtype=...): the engine's "
+                                   "optimizer steps fp32 masters of the 16-bit shards; step "
+                                   "it (engine.optimizer.step()), not an optimizer of yours.")
+            e.wait_params()
+
+    def after(optimizer, args, kwargs) -> None:
+        e = ref()
+        if e is not None and optimizer is not e.optimizer and e.shard_params is not None and \
+                any(e.shard_params.holds(p) for p in stepped_params(optimizer)):
+            e.shards_stepped_outside()
+
+    handles = [register_optimizer_step_pre_hook(before),
+               register_optimizer_step_post_hook(after)]
+    weakref.finalize(engine, lambda: [h.remove() for h in handles])
+
+
+WRONG_PARAMS = (
+    "a torch optimizer is stepping the parameters of a model wrapped by {0}, which shards "
+    "them: their .grad is not the average over ranks (or is None), and a step would train "
+    "each rank differently. Step the engine's optimizer (engine.optimizer.step(), or "
+    "scaler.step(engine.optimizer)), or build yours over the engine's parameters, this rank's "
+    "shards: torch.optim.AdamW(engine.parameters(), ...), as with FSDP2.")
+
+
+def refuse_module_conversions(engine: Any) -> None:
+    """model.double(), model.to(dtype) on the wrapped model itself: refused as on the engine."""
+    ref = weakref.ref(engine)
+    from zerolab.shell import refuse_conversion
+
+    def module_apply(module: nn.Module, fn, recurse: bool = True):
+        e = ref()
+        if e is not None and e.module is module:  # not a copy of it
+            refuse_conversion(e, fn)
+        return nn.Module._apply(module, fn, recurse)
+
+    engine.module._apply = types.MethodType(module_apply, engine.module)
 
 
 def hook_module_state(engine: Any) -> None:

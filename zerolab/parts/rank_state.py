@@ -1,5 +1,5 @@
-"""engine.state_dict() / engine.load_state_dict(): one rank's part of an engine's state, as
-plain data (torch.save and torch.load(weights_only=True) take it), and back at the same world
+"""engine.rank_state_dict() / engine.load_state_dict(): one rank's part of an engine's state,
+as plain data (torch.save and torch.load(weights_only=True) take it), and back at the same world
 size. The pieces are state_dicts.py's Chunks: rectangles of the full tensors this rank holds.
 """
 
@@ -47,6 +47,8 @@ WHOSE = "zerolab_part"  # which engine, world size and rank a part belongs to
 
 def _whose(engine) -> dict[str, Any]:
     # The job's ranks (HSDP's engine.rank is its rank in its shard group)
+    if not dist.is_initialized():  # one process, no process group
+        return {"engine": type(engine).__name__, "rank": 0, "world_size": 1}
     return {"engine": type(engine).__name__, "rank": dist.get_rank(engine.job_group),
             "world_size": dist.get_world_size(engine.job_group)}
 
@@ -93,7 +95,7 @@ def _from_pieces(key: Any, chunks: Chunks, given: Any) -> None:
     """A Chunks leaf from this rank's saved pieces, where they overlap (a ZeRO-1/2 parameter
     is held whole: this rank's pieces fill their part of it; _after_step gathers the rest)."""
     if not _is_pieces(given):
-        raise ValueError(f"{key}: expected this rank's pieces (engine.state_dict()), "
+        raise ValueError(f"{key}: expected this rank's pieces (engine.rank_state_dict()), "
                          f"got {type(given).__name__}")
     for offsets, t in chunks.pieces:
         for given_offsets, piece in given["pieces"]:

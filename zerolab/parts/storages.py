@@ -2,7 +2,7 @@
 
 Two tensors can share one storage (a view, a flat buffer and the parameters inside it), so
 bytes are counted per storage, never per tensor: `distinct_bytes`. zerolab.memory tracks them
-over time; the engines report what they hold now (`model_state_bytes`, parts/engine_base.py).
+over time; the engines report what they hold now (`model_state_bytes`, shell.py).
 """
 
 from __future__ import annotations

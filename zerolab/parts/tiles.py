@@ -65,11 +65,14 @@ class OptimizerTiles:
         """What to give the optimizer: every tile, in the masters' order."""
         return [t for ts in self.tiles for t, _, _ in ts]
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Bind the tiles' gradients around each optimizer.step()."""
+    def attach(self, optimizer: torch.optim.Optimizer, keep_grads: bool = False) -> None:
+        """Bind the tiles' gradients before each optimizer.step(). keep_grads: the masters'
+        gradients are buffers that live as long as the engine (fp32 training), so the views
+        stay bound; else (fp32 copies made for each step) they are dropped after it."""
         if self.cut:
-            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._bind_grads())
-            optimizer.register_step_post_hook(lambda opt, args, kwargs: self._drop_grads())
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self.bind_grads())
+            if not keep_grads:
+                optimizer.register_step_post_hook(lambda opt, args, kwargs: self._drop_grads())
 
     def _cut_tiles(self):
         for m, ts in zip(self.masters, self.tiles):
@@ -77,9 +80,13 @@ class OptimizerTiles:
                 if t is not m:
                     yield m, t, a, b
 
-    def _bind_grads(self) -> None:
+    def bind_grads(self) -> None:
+        """Each tile's .grad: its view of the master's (GradScaler.unscale_ and step read it)."""
         for m, t, a, b in self._cut_tiles():
-            t.grad = None if m.grad is None else m.grad.view(-1)[a:b]
+            if m.grad is None:
+                t.grad = None
+            elif t.grad is None or t.grad.data_ptr() != m.grad.data_ptr() + a * m.element_size():
+                t.grad = m.grad.view(-1)[a:b]  # bound already: no op, nothing to track
 
     def _drop_grads(self) -> None:
         # A tile's grad is a view: kept, it would keep a freed master gradient's storage alive.
