@@ -30,6 +30,7 @@ step, the param groups) goes through DCP's own code.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -333,6 +334,7 @@ def targets(engine, optimizer_keys: dict[str, dict[str, TensorKind]],
     """Load targets for `engine`. optimizer_keys: per parameter name, its optimizer state keys
     in the checkpoint, with what each is; group_keys: per param group saved, its keys. Every
     rank builds them from the same checkpoint."""
+    check_saved_optimizer(engine, optimizer_keys, len(group_keys))
     _, buffers = state_dict_keys(engine.module)
     first_name = {p: n for n, p in engine.module.named_parameters()}
     model: dict[str, Any] = {}
@@ -376,6 +378,38 @@ def targets(engine, optimizer_keys: dict[str, dict[str, TensorKind]],
     groups = [dict.fromkeys(names) for names in group_keys]
     return Targets({MODEL: model, OPTIMIZER: {"state": state, "param_groups": groups}},
                    per_master)
+
+
+def check_saved_optimizer(engine, optimizer_keys: dict[str, dict[str, TensorKind]],
+                          saved_groups: int) -> None:
+    """A checkpoint's optimizer loads only into the same kind of optimizer, with as many
+    parameter groups: another optimizer's state would fail at the next step, and groups
+    folded into fewer would lose their options without a word."""
+    mine = len(engine.optimizer.param_groups)
+    if saved_groups and saved_groups != mine:
+        raise ValueError(f"the checkpoint's optimizer has {saved_groups} parameter groups, this "
+                         f"engine's {mine}: build the engine with the param_groups=[...] the "
+                         f"saved one had, then load.")
+    saved = {frozenset(keys) for keys in optimizer_keys.values() if keys}
+    if not saved:
+        return
+    expected = frozenset(_state_keys(engine.optimizer))
+    if saved != {expected}:
+        found = sorted({k for keys in saved for k in keys})
+        raise ValueError(f"the checkpoint's optimizer state holds {found}; this engine's "
+                         f"{type(engine.optimizer).__name__} keeps {sorted(expected)}: it was "
+                         f"saved from another optimizer (or other options). Build the engine "
+                         f"with the optimizer class and options it was saved with.")
+
+
+def _state_keys(optimizer: torch.optim.Optimizer) -> set[str]:
+    """The state keys one step of this optimizer's class and options gives a parameter."""
+    probe = torch.zeros(1, requires_grad=True)
+    probe.grad = torch.zeros(1)
+    takes = inspect.signature(type(optimizer).__init__).parameters  # defaults hold some more
+    one = type(optimizer)([probe], **{k: v for k, v in optimizer.defaults.items() if k in takes})
+    type(one).step(one)
+    return set(one.state[probe])
 
 
 def finish_load(engine, loaded: Targets) -> None:
