@@ -3,16 +3,17 @@
 #   make test   install what is missing, then run every test (unit tests and the notebooks)
 #
 # The virtual environment sees the system's packages, so a torch that is already installed (CPU
-# or CUDA) is used as it is. Where none is, TORCH is installed: torch==2.13.0 (on Linux, PyPI's
-# is the CUDA build, which runs on a CPU too; README.md says how to get the CPU build), or plain
-# `torch` on a machine with an NVIDIA driver. Override with TORCH=...
+# or CUDA) is used as it is. Where none is, zerolab/install_torch.py picks one and says what it
+# downloads: on a machine with an NVIDIA driver, `torch` from pip's default index (the CUDA
+# build); without one, on Linux, torch==2.13.0's CPU build from PyTorch's CPU index (PyPI's
+# index instead when that cannot be reached). TORCH="..." installs that instead (pip arguments).
 #
 # `make lab LAB_ARGS="--no-browser --port 8890"` hands options on to JupyterLab.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+TORCH ?=
 PYTEST_ARGS ?=
 # The tests run on JOBS processes at once (pytest-xdist; one per core, at most 4): each takes whole
 # test files, or the files that read one shared launch (tests/conftest.py's scheduler).
@@ -26,10 +27,15 @@ ALLOW_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
 .PHONY: lab test lint exercises clean
 
+# The course's packages are ~100 packages and ~0.1 GB to download (measured; torch aside). The
+# install's time counts from before the venv's creation (.started), for the line at the end.
 $(VENV)/.installed: pyproject.toml
+	@mkdir -p $(VENV) && date +%s > $(VENV)/.started
 	test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) zerolab/install_torch.py --python $(PY) --torch "$(TORCH)"
+	@echo "Installing zerolab and the course's packages (JupyterLab, matplotlib, pytest, ...): about 0.1 GB to download"
 	$(PY) -m pip install -q -e ".[course,dev]"
+	@echo "Installed in $$(( $$(date +%s) - $$(cat $(VENV)/.started) )) s; $(VENV) takes $$(du -sh $(VENV) | cut -f1)"
 	touch $@
 
 # `-m jupyterlab`, not `-m jupyter lab`: the latter looks for a `jupyter-lab` program, missing

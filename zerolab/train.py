@@ -25,6 +25,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -268,7 +269,9 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m zerolab.train",
                                 description=__doc__.split("\n")[0])
-    p.add_argument("--engine", choices=list(ENGINES), default=d.engine)
+    p.add_argument("--engine", choices=list(ENGINES), help=f"default: {d.engine}")
+    # --strategy: --engine's old name, kept for one release (not in --help).
+    p.add_argument("--strategy", choices=list(ENGINES), help=argparse.SUPPRESS)
     p.add_argument("--steps", type=positive_int, default=d.steps)
     p.add_argument("--world-size", type=positive_int, default=d.world_size,
                    help="ranks to spawn (ignored under torchrun)")
@@ -287,7 +290,16 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     p.add_argument("--backend", choices=["gloo", "nccl"], help="spawn only (default: auto)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     a = p.parse_args(argv)
-    config = TrainConfig(engine=a.engine, steps=a.steps, world_size=a.world_size,
+    engine = a.engine or d.engine
+    if a.strategy is not None:
+        # FutureWarning, not DeprecationWarning: Python shows it to whoever runs the command.
+        warnings.warn("--strategy is deprecated and will be removed in the next release: use "
+                      f"--engine {a.strategy}", FutureWarning, stacklevel=2)
+        if a.engine not in (None, a.strategy):
+            p.error(f"--strategy {a.strategy} and --engine {a.engine} disagree: give --engine "
+                    f"alone (--strategy is its old name)")
+        engine = a.strategy
+    config = TrainConfig(engine=engine, steps=a.steps, world_size=a.world_size,
                          batch_size=a.batch_size, block_size=a.block_size, n_layer=a.n_layer,
                          n_head=a.n_head, n_embd=a.n_embd, lr=a.lr, log_every=a.log_every,
                          seed=a.seed, trace=a.trace, json=a.json, backend=a.backend,
