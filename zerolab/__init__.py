@@ -21,7 +21,14 @@ from zerolab.comm import CommEvent, CommLog, record_comm
 from zerolab.ddp import DDP, DDPAfterBackward
 from zerolab.engines import Engine, ShardedEngine
 from zerolab.hsdp import HSDP
-from zerolab.launcher import LaunchError, LaunchTimeout, WorkerError, init_from_env, launch
+from zerolab.launcher import (
+    CollectiveMismatch,
+    LaunchError,
+    LaunchTimeout,
+    WorkerError,
+    init_from_env,
+    launch,
+)
 from zerolab.memory import MemoryTrace, distinct_bytes, model_state_bytes, track_memory
 from zerolab.zero1 import ZeRO1, ZeRO1AfterBackward, ZeRO1AllReduce
 from zerolab.zero2 import ZeRO2, ZeRO2AfterBackward
@@ -41,6 +48,7 @@ __all__ = [
     "ZeRO2AfterBackward",
     "ZeRO3",
     "ZeroPP",
+    "CollectiveMismatch",
     "CommEvent",
     "CommLog",
     "Engine",

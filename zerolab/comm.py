@@ -341,10 +341,12 @@ def _close_events(opened: list[tuple[_Recording, _Open]]) -> None:
 
 def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
            plan: backends.Plan, then: Callable[[], object] | None = None, src: int = 0,
-           peer: int = -1) -> Handle:
-    # The flight recorder's entry: a numbered collective, or a send/recv to or from `peer`.
+           peer: int = -1, reduce_op: str = "") -> Handle:
+    # The flight recorder's entry: a numbered collective, or a send/recv to or from `peer`,
+    # with what the ranks must agree on (the reduce op as the caller named it: "avg" too).
     flown = flight.issue(op, tag, tensor, group, async_op, peer=src if op == "broadcast" else peer,
-                         kind=flight.P2P if peer >= 0 else flight.COLLECTIVE)
+                         kind=flight.P2P if peer >= 0 else flight.COLLECTIVE,
+                         reduce_op=reduce_op)
     with _inside_zerolab(), flight.calling(flown, blocking=not async_op):
         opened = _open_events(op, tag, tensor, group, async_op, plan, src)
         work = plan.call()
@@ -375,7 +377,7 @@ def all_reduce(tensor: torch.Tensor, *, tag: str, op: str = "sum",
     plan = backends.native("all_reduce", group, lambda: dist.all_reduce(
         tensor, op=red, group=group, async_op=async_op))
     return _issue("all_reduce", tag, tensor, group, async_op, plan,
-                  _average_after(tensor, op, group))
+                  _average_after(tensor, op, group), reduce_op=op)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, tag: str, op: str = "sum",
@@ -392,7 +394,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, *, tag: str, op: s
     red = _OPS["sum" if op == "avg" else op]
     plan = backends.reduce_scatter(output, input, red, group, async_op, scratch_input)
     return _issue("reduce_scatter", tag, input, group, async_op, plan,
-                  _average_after(output, op, group))
+                  _average_after(output, op, group), reduce_op=op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str,

@@ -155,3 +155,35 @@ def recorder_overhead(pairs, steps_per_turn=1):
             times["on" if on else "off"].append(turn(on))
     turn(True)  # leave it as it was
     return times
+
+
+# --- calls whose ranks pass different things (zerolab/launcher/fingerprints.py) -----------------
+
+
+def reduce_ops(then_s=0.0):
+    """SUM on rank 0, MAX on rank 1: gloo returns a mix of both, on both ranks, without an
+    error; then the ranks sleep `then_s` (the launcher must name it while they run)."""
+    t = torch.tensor([2.0, 2.0, 1.0, 1.0]) * (dist.get_rank() + 1)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if dist.get_rank() == 0 else dist.ReduceOp.MAX)
+    time.sleep(then_s)
+    return t
+
+
+def equal_size_dtypes():
+    """An all-reduce of 4 float32 on rank 0 and 4 int32 on rank 1: the same 16 bytes."""
+    t = torch.ones(4, dtype=torch.float32 if dist.get_rank() == 0 else torch.int32)
+    comm.all_reduce(t, tag="test/dtypes")
+    return t
+
+
+def own_sources():
+    """Every rank broadcasts from itself: each waits for a root that follows another."""
+    dist.broadcast(torch.ones(4), src=dist.get_rank())
+
+
+def both_receive_first():
+    """Each rank receives from the other before sending to it."""
+    t = torch.ones(4)
+    dist.recv(t, src=1 - dist.get_rank())
+    dist.send(t, dst=1 - dist.get_rank())
+

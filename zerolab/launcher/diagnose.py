@@ -44,6 +44,17 @@ class LaunchTimeout(LaunchError):
         self.explanation = explanation
 
 
+class CollectiveMismatch(LaunchError):
+    """Ranks passed different things to one collective (reduce op, dtype, size, root) and it
+    returned all the same, its result wrong; the ranks were stopped. `ranks`: the two ranks
+    named, `seq`: the call's number in its group; `explanation`: where each rank was and where
+    their collectives first differ (zerolab.launcher.fingerprints)."""
+
+    def __init__(self, message: str, ranks: tuple[int, int], seq: int, explanation: str = ""):
+        super().__init__(message)
+        self.ranks, self.seq, self.explanation = ranks, seq, explanation
+
+
 def check_importable(fn: Callable) -> None:
     """The ranks import `fn` by module and name; say so clearly when they cannot."""
     module = getattr(fn, "__module__", None)

@@ -17,7 +17,9 @@ these: every rank sleeps in a wait (gloo waits without spinning: 0.0 s of CPU a 
 measured). The launch's `timeout` is the time without progress after which the ranks are
 stopped, not a limit on the whole run. Before that, a deadlock is recognised as soon as it is
 certain: every rank waits in a collective or has returned, nothing moved for SETTLE_S, and no
-collective waited in has all its group's ranks in it with the same op, size and dtype.
+call waited in can complete: no collective has all its group's ranks in it with the same
+fingerprint (op, dtype, size, reduce op, root: zerolab.launcher.fingerprints), no send or recv
+has its peer in a call of the other direction towards it (two ranks that both receive first).
 
 On GPUs (NCCL) a collective returns to Python before it completes, and a rank waiting for one
 (in a later synchronisation) may spin a core: neither test sees that hang, and NCCL's own
@@ -34,6 +36,8 @@ import signal
 import time
 from dataclasses import dataclass
 
+from zerolab.launcher import fingerprints
+from zerolab.launcher.fingerprints import describe
 from zerolab.wire import flight
 from zerolab.wire.flight import Entry, FlightLog
 
@@ -230,44 +234,6 @@ def _short(path: str) -> str:
 # --- the verdict -------------------------------------------------------------------------------
 
 
-def describe(e: Entry, world_size: int = 0) -> str:
-    """'all_reduce #17 (ddp/bwd/bucket3, 400 KiB float32, shape (102400,))'."""
-    details = [e.tag] if e.tag else []
-    if e.nbytes or e.dtype:
-        details.append(f"{size_text(e.nbytes)} {e.dtype}".strip())
-    if e.shape:
-        details.append(f"shape {e.shape}")
-    if e.async_op:
-        details.append("async")
-    where = ""
-    if e.kind == flight.P2P:
-        direction = "from" if "recv" in e.op else "to"
-        head = f"{e.op} {direction} rank {e.peer}" if e.peer >= 0 else e.op
-        details.insert(0, f"p2p #{e.seq}")
-    else:
-        head = f"{e.op} #{e.seq}"
-        if e.peer >= 0:
-            details.append(("from" if e.op.startswith(("broadcast", "scatter")) else "to")
-                           + f" rank {e.peer}")
-    if e.ranks and world_size and e.ranks != tuple(range(world_size)):
-        where = f" in group {list(e.ranks)}"
-    return f"{head}{where}" + (f" ({', '.join(details)})" if details else "")
-
-
-def size_text(nbytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            value = nbytes / scale
-            return f"{value:.3g} {unit}" if value < 100 else f"{value:.0f} {unit}"
-    return f"{nbytes} B"
-
-
-def _same(a: Entry, b: Entry) -> bool:
-    """Whether two ranks' entries at one sequence number are the same call."""
-    sizes_matter = a.comparable and b.comparable
-    return a.op == b.op and a.dtype == b.dtype and (not sizes_matter or a.nbytes == b.nbytes)
-
-
 def _at(log: FlightLog | None, group: str, seq: int) -> Entry | None:
     if log is None:
         return None
@@ -280,20 +246,27 @@ def deadlocked(states: list[RankState]) -> bool:
     at least one waits, and no collective waited in can complete (see the module's Note)."""
     if any(s.status in ("raised", "died") for s in states):
         return False  # a failure: reported as such
-    waits = [s.waiting_in() for s in states if s.status == "running"]
-    if not waits or any(e is None for e in waits):
+    waits = {s.rank: s.waiting_in() for s in states if s.status == "running"}
+    if not waits or any(e is None for e in waits.values()):
         return False  # someone may still be computing
-    return not any(_can_complete(e, states) for e in waits if e is not None)
+    return not any(_can_complete(e, rank, states) for rank, e in waits.items()
+                   if e is not None)
 
 
-def _can_complete(e: Entry, states: list[RankState]) -> bool:
-    if e.kind == flight.P2P:  # a send or recv: its peer may still match it, unless it is gone
-        return e.peer < 0 or e.peer >= len(states) or states[e.peer].status == "running"
+def _can_complete(e: Entry, rank: int, states: list[RankState]) -> bool:
+    """Whether the call `rank` waits in can complete, all ranks waiting: a collective, if
+    every rank of its group waits in the same call (same fingerprint); a send or recv, if its
+    peer has the other direction open towards it."""
+    if e.kind == flight.P2P:
+        if e.peer < 0 or e.peer >= len(states):
+            return True  # unknown: assume it can
+        peer = states[e.peer]
+        return peer.status == "running" and fingerprints.can_meet(e, rank, peer.log)
     for member in e.ranks:
         if member >= len(states) or states[member].log is None:
             return True  # unknown: assume it can
         other = _at(states[member].log, e.group, e.seq)
-        if other is None or not _same(e, other):
+        if other is None or not fingerprints.same(e, other):
             return False
     return True
 
@@ -348,11 +321,26 @@ def first_difference(states: list[RankState], fn_name: str) -> list[str]:
         for seq in range(start, end + 1):
             at = {m: seqs[m].get(seq) for m in logs}
             present = [e for e in at.values() if e is not None]
-            if len(present) == len(at) and all(_same(present[0], e) for e in present):
+            if len(present) == len(at) and all(fingerprints.same(present[0], e)
+                                               for e in present):
                 continue
             sentences.append(_difference(group, seq, at, states, fn_name, world_size))
             break
+        else:  # every call held agrees: the digests say whether older ones did
+            newest = min((max(s, default=0) for s in seqs.values()), default=0)
+            digests = {seqs[m][newest].digest for m in logs if newest in seqs[m]}
+            if len(digests) > 1:
+                sentences.append(
+                    f"The ranks' collectives{_of_group(list(logs), world_size)} differ before "
+                    f"#{max(start, 1)}, in calls their flight recorders no longer hold (each "
+                    f"keeps its last {flight.SLOTS}): the digests of their calls differ at "
+                    f"#{newest}.")
     return sentences
+
+
+def _of_group(members: list[int], world_size: int) -> str:
+    return "" if tuple(sorted(members)) == tuple(range(world_size)) else \
+        f" of group {sorted(members)}"
 
 
 def _difference(group: str, seq: int, at: dict[int, Entry | None], states: list[RankState],
@@ -376,16 +364,10 @@ def _difference(group: str, seq: int, at: dict[int, Entry | None], states: list[
         verdict = f"the ranks called different collectives at #{seq}"
     elif missing and example is not None:
         verdict = _missing_verdict(missing, states, f"{example.op} #{seq}")
-    elif len({e.dtype for e in present.values()}) > 1:
-        verdict = f"the ranks called {example.op} with different dtypes at #{seq}"
     else:
-        verdict = (f"the ranks called {example.op} with different sizes at #{seq} (tensors of "
-                   f"different sizes, or the same calls in different orders: iterating a set "
-                   f"or a dict whose order differs per rank?)")
-    in_group = "" if not at or tuple(sorted(at)) == tuple(range(world_size)) else \
-        f" of group {sorted(at)}"
-    return (f"The ranks' collectives{in_group} first differ at #{seq}: " + "; ".join(parts)
-            + f": {verdict}.")
+        verdict = fingerprints.what_differs(example.op, seq, present)
+    return (f"The ranks' collectives{_of_group(list(at), world_size)} first differ at #{seq}: "
+            + "; ".join(parts) + f": {verdict}.")
 
 
 def _missing_verdict(missing: list[int], states: list[RankState], call: str) -> str:
@@ -416,12 +398,52 @@ def _why_missing(s: RankState, fn_name: str, world_size: int) -> str:
     return "it is busy elsewhere" + (f", in {s.where}" if s.where else "") + after
 
 
+def unmet_p2p(states: list[RankState], fn_name: str) -> list[str]:
+    """For each rank waiting in a send or recv whose peer waits elsewhere or has returned: a
+    sentence ('a receive met by a receive' for two ranks that both receive first)."""
+    world_size = len(states)
+    sentences = []
+    for s in states:
+        e = s.waiting_in()
+        if e is None or e.kind != flight.P2P or not 0 <= e.peer < world_size:
+            continue
+        peer = states[e.peer]
+        other = peer.waiting_in()
+        if peer.status not in ("running", "returned") or (
+                peer.status == "running" and (other is None or fingerprints.can_meet(
+                    e, s.rank, peer.log))):
+            continue  # it may yet meet it, or its failure is the story
+        if (other is not None and other.kind == flight.P2P and other.peer == s.rank
+                and fingerprints.receives(other) == fingerprints.receives(e)):
+            if s.rank < e.peer:  # said once, for both
+                sentences.append(_crossing(s.rank, e, e.peer, other, world_size))
+            continue
+        where = (f"waits in {describe(other, world_size)}" if other is not None
+                 else f"returned from {fn_name}")
+        sentences.append(f"Rank {s.rank} waits in {describe(e, world_size)}, which rank "
+                         f"{e.peer} does not meet: it {where}.")
+    return sentences
+
+
+def _crossing(a: int, ea: Entry, b: int, eb: Entry, world_size: int) -> str:
+    if fingerprints.receives(ea):
+        what = ("a receive met by a receive: each rank waits for the other to send first, so "
+                "neither ever sends. One of them must send first (or both post isend and irecv, "
+                "then wait for both)")
+    else:
+        what = ("a send met by a send: each rank waits for the other to receive, which neither "
+                "does while it sends. One of them must receive first (or both post isend and "
+                "irecv, then wait for both)")
+    return (f"The ranks' point-to-point calls cross: rank {a} waits in {describe(ea, world_size)}"
+            f" and rank {b} in {describe(eb, world_size)}: {what}.")
+
+
 def explain(states: list[RankState], fn_name: str) -> str:
     """Where each rank is, then where the ranks' collectives first differ (if they do)."""
     world_size = len(states)
     lines = ["Where each rank was (from its flight recorder):"]
     lines += ["  " + rank_line(s, fn_name, world_size) for s in states]
-    differences = first_difference(states, fn_name)
+    differences = first_difference(states, fn_name) + unmet_p2p(states, fn_name)
     if differences:
         lines += differences
     elif any(s.log and s.log.entries for s in states):

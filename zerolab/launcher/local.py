@@ -11,8 +11,11 @@ other ranks are killed; nothing is left running. Ranks that hang (waiting on eac
 collectives that cannot complete, or making no progress for `timeout` seconds) are stopped and
 reported by `LaunchTimeout`, which says where each rank was and the first collective at which
 they parted: every rank keeps a flight recorder (zerolab.wire.flight) the launcher can read
-even after the rank died. The ranks talk over the loopback interface only (127.0.0.1): nothing
-of a single-machine job listens on the network.
+even after the rank died. A collective that returned although the ranks passed different things
+(a SUM met by a MAX, float32 met by int32) stops them too, with `CollectiveMismatch`
+(zerolab.launcher.fingerprints compares the records at every poll and at the end). The ranks
+talk over the loopback interface only (127.0.0.1): nothing of a single-machine job listens on
+the network.
 
 Under `torchrun`, call `init_from_env()` instead: it reads the environment torchrun sets, so the
 same training function runs on one laptop or many nodes.
@@ -39,10 +42,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerolab.launcher import hangs, leftovers, zygote
+from zerolab.launcher import fingerprints, hangs, leftovers, zygote
 from zerolab.launcher.allocator import keep_freed_memory
 from zerolab.launcher.diagnose import (
     UNGUARDED_IN_A_RANK,
+    CollectiveMismatch,
     LaunchError,
     check_importable,
     check_main_script,
@@ -167,6 +171,7 @@ def _wait_all(procs: list, workdir: str, timeout: float | None, fn_name: str) ->
     watch = hangs.Watch(workdir, [p.pid for p in procs])
     settle = hangs.SETTLE_S if timeout is None else min(hangs.SETTLE_S, timeout / 2)
     judged = None  # the state of the collectives last judged (not) a deadlock
+    compared = None  # the ranks' flight recorders' activity when last compared
     while running:
         failed = _reap(procs, workdir, running, POLL_S)
         if failed and all(_broken_by_a_peer(workdir, r) for r in failed):
@@ -185,6 +190,9 @@ def _wait_all(procs: list, workdir: str, timeout: float | None, fn_name: str) ->
                           _read(rank_file(workdir, "error", first)),
                           _read(rank_file(workdir, "log", first)), fn_name,
                           hangs.explain(states, fn_name))
+        # Every poll, the last one after every rank has returned: a call that returned with
+        # the ranks disagreeing stops the launch, at the latest before the results come back.
+        compared = _compare_calls(procs, workdir, running.values(), fn_name, compared)
         if timeout is None or not running:
             continue
         watch.poll()
@@ -198,6 +206,29 @@ def _wait_all(procs: list, workdir: str, timeout: float | None, fn_name: str) ->
             stuck = sorted(running.values())
             states = _states(procs, workdir, stuck)
             raise hang_error(stuck, timeout, certain, still, hangs.explain(states, fn_name))
+
+
+def _compare_calls(procs: list, workdir: str, running: Any, fn_name: str,
+                   compared: tuple | None) -> tuple:
+    """Raise CollectiveMismatch if a collective completed although its ranks passed different
+    things (fingerprints.silent_mismatch). Read only when a rank's record changed since
+    `compared` (their activity counters then), and the records in full only when the digests
+    disagree; returns the counters now."""
+    paths = [rank_file(workdir, "flight", r) for r in range(len(procs))]
+    activity = tuple(flight.read_activity(path) for path in paths)
+    if activity == compared:
+        return activity
+    digests = {r: d for r, path in enumerate(paths)
+               if (d := flight.completed_digests(path)) is not None}
+    if fingerprints.agree(digests):
+        return activity
+    logs = {r: log for r, path in enumerate(paths) if (log := flight.read(path)) is not None}
+    found = fingerprints.silent_mismatch(logs)
+    if found is None:
+        return activity
+    explanation = hangs.explain(_states(procs, workdir, running), fn_name)
+    raise CollectiveMismatch(f"{fingerprints.mismatch_text(found)}\n{explanation}",
+                             tuple(found.at), found.seq, explanation)
 
 
 def _reap(procs: list, workdir: str, running: dict, wait_s: float) -> list[int]:
@@ -288,6 +319,9 @@ def _worker(workdir: str, rank: int, world_size: int, backend: str, threads: int
         # Rendezvous through a file in a fresh directory: two launches can never collide.
         # gloo's own limit on a wait stays long: hung ranks are the launcher's to judge.
         wait_s = max(GROUP_TIMEOUT_S, timeout or 0)
+        # torch read TORCH_DISTRIBUTED_DEBUG when the zygote imported it; the caller's may have
+        # changed since (DETAIL: torch checks each collective's fingerprint, see fingerprints.py)
+        dist.set_debug_level_from_env()
         store = dist.FileStore(os.path.join(workdir, "rendezvous"), world_size)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=wait_s))

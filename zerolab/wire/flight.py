@@ -7,9 +7,20 @@
 
 Every collective a rank issues gets one entry: a sequence number per process group (every rank
 of the group counts the same calls, so #17 on one rank must be #17 on the others), the op, the
-tag where zerolab issued it, shapes, dtype, bytes, the group, and whether it completed. When
-ranks hang, comparing their entries finds the first number at which they parted
-(zerolab.launcher.hangs does it for the launcher).
+tag where zerolab issued it, shapes, dtype, bytes, element count, reduce op, source or
+destination, the group, and whether it completed. When ranks hang, comparing their entries finds
+the first number at which they parted (zerolab.launcher.hangs does it for the launcher); when a
+call returned although the ranks passed different things (gloo compares nothing: a SUM met by a
+MAX, a float32 met by an int32 of the same size), comparing them names it too
+(zerolab.launcher.fingerprints, while the ranks run).
+
+Note: the fingerprint and its digest. What the ranks of a group must agree on for call #k is its
+`Entry.fingerprint`: op, dtype, element count (where sizes must match), reduce op, and the
+source or destination of a rooted call. Each entry also carries a digest: a CRC-32 of its
+fingerprint chained onto the digest of the group's previous call. Equal digests at #k on two ranks
+say that every call up to #k agreed, even where the ring has overwritten the older ones (a
+launcher reading the files now and then can fall more than SLOTS calls behind); CRC-32 is
+deterministic across processes (Python's hash() of text is not: each rank has its own seed).
 
 Note: how it is kept cheap and readable after a crash. The entries live in a ring of SLOTS
 fixed-size records in a file mapped into the rank's memory (mmap, MAP_SHARED): writing one is a
@@ -31,6 +42,7 @@ import os
 import struct
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,8 +56,8 @@ MAGIC = b"ZLFLIGHT"
 # -1 if none), phase, slots
 HEADER = struct.Struct("<8siiqQqqqii")
 # position, seq, state, async, comparable, kind, peer, nbytes, t_issue, t_done,
-# op, dtype, group name, group ranks, shape, tag
-SLOT = struct.Struct("<qqBBBBiqdd24s16s24s40s48s64s")
+# op, dtype, group name, group ranks, shape, tag, numel, digest, reduce op
+SLOT = struct.Struct("<qqBBBBiqdd24s16s24s40s48s64sqI12s")
 _STATE_AT = 16  # offset of `state` in a slot: a completion rewrites state and t_done only
 _DONE_AT = 40  # offset of t_done
 _WRITTEN_AT = 32  # offsets in the header of written, activity, blocked, phase
@@ -85,6 +97,30 @@ class Entry:
     ranks: tuple[int, ...]  # the group's global ranks
     shape: str  # "(1024,)", "4 x (256,)"
     tag: str  # zerolab's tag ("zero3/fwd/blocks.2"); "" when issued through torch directly
+    numel: int = 0  # elements of the tensor(s) ranks must agree on
+    digest: int = 0  # CRC-32 of the fingerprints of the group's calls up to this one (collectives)
+    reduce_op: str = ""  # "sum", "max", "avg", ... for a reducing call; "" otherwise
+
+    def fingerprint(self) -> tuple[str, str, str, int, int]:
+        """What every rank of the group must pass alike at this call (see the Note above):
+        (op, dtype, reduce op, element count or -1 where sizes may differ, root or -1)."""
+        return (self.op, self.dtype, self.reduce_op, self.numel if self.comparable else -1,
+                self.peer)
+
+
+def _chained(digest: int, op: bytes, dtype: bytes, reduce_op: bytes, numel: int,
+             peer: int) -> int:
+    """The digest of a call: its fingerprint's CRC-32, continued from the previous call's
+    (the fields as `Entry.fingerprint` reads them back)."""
+    return zlib.crc32(b"%s|%s|%s|%d|%d" % (op, dtype, reduce_op, numel, peer), digest)
+
+
+def reduce_op_name(op: Any) -> str:
+    """torch's ReduceOp (or zerolab.comm's "sum") as "sum", "max", "avg", "premul_sum"."""
+    if op is None or isinstance(op, str):
+        return op or ""
+    name = getattr(op, "name", None) or getattr(getattr(op, "op", None), "name", None)
+    return (name or str(op)).lower()
 
 
 @dataclass(frozen=True)
@@ -162,7 +198,7 @@ class FlightRecorder:
         self._written = self._activity = 0
         self._lock = threading.Lock()  # gloo's threads never write here, a user's may
         self._local = threading.local()  # .depth: calls of this thread being recorded
-        # group -> [name, ranks text, ranks, collective count, p2p count]
+        # group -> [name, ranks text, [collective count, p2p count, collectives' digest]]
         self._groups: dict[Any, list] = {}
         HEADER.pack_into(self._map, 0, MAGIC, rank, world_size, os.getpid(),
                          threading.main_thread().ident or 0, 0, 0, -1, STARTING, slots)
@@ -170,17 +206,23 @@ class FlightRecorder:
     # --- what is recorded --------------------------------------------------------------------
 
     def issue(self, op: str, tensors: Any, group: Any, async_op: bool, *, tag: str = "",
-              kind: int = COLLECTIVE, peer: int = -1, comparable: bool = True) -> int:
+              kind: int = COLLECTIVE, peer: int = -1, comparable: bool = True,
+              reduce_op: str = "") -> int:
         """Record a call being issued; returns its position (for `complete`)."""
         name, ranks_text, counts = self._group(group)
-        shape, dtype, nbytes = _described(tensors)
+        shape, dtype, nbytes, numel = _described(tensors)
+        op_b, red_b = _encoded(op, 24), _encoded(reduce_op, 12)
         with self._lock:
             counts[kind] += 1
+            digest = 0
+            if kind == COLLECTIVE:  # p2p calls differ by design (a send meets a recv)
+                digest = counts[2] = _chained(counts[2], op_b, dtype, red_b,
+                                              numel if comparable else -1, peer)
             pos = self._written
             SLOT.pack_into(self._map, HEADER.size + (pos % self.slots) * SLOT.size, pos,
                            counts[kind], ISSUED, async_op, comparable, kind, peer, nbytes,
-                           time.time(), 0.0, _encoded(op, 24), dtype, name, ranks_text,
-                           shape, _encoded(tag, 64))
+                           time.time(), 0.0, op_b, dtype, name, ranks_text,
+                           shape, _encoded(tag, 64), numel, digest, red_b)
             self._written = pos + 1
             self._bump(written=True)
         return pos
@@ -227,7 +269,7 @@ class FlightRecorder:
                 name, ranks = "", [0]
             else:
                 name, ranks = key.group_name, dist.get_process_group_ranks(key)
-            found = [_text(name, 24), _text(_ranks_text(ranks), 40), [0, 0]]
+            found = [_text(name, 24), _text(_ranks_text(ranks), 40), [0, 0, 0]]
             self._groups[key] = found
         return found
 
@@ -249,8 +291,9 @@ def _parse_ranks(text: str) -> tuple[int, ...]:
 _DESCRIBED: dict[tuple, tuple[bytes, bytes, int]] = {}  # (shape, dtype) -> encoded, item size
 
 
-def _described(tensors: Any) -> tuple[bytes, bytes, int]:
-    """`describe`, encoded for a slot; a single tensor's shapes and dtypes are cached."""
+def _described(tensors: Any) -> tuple[bytes, bytes, int, int]:
+    """`describe`, encoded for a slot, and the element count; a single tensor's shapes and
+    dtypes are cached."""
     if isinstance(tensors, torch.Tensor):
         key = (tensors.shape, tensors.dtype)
         found = _DESCRIBED.get(key)
@@ -260,9 +303,11 @@ def _described(tensors: Any) -> tuple[bytes, bytes, int]:
             shape, dtype, _ = describe(tensors)
             found = _DESCRIBED[key] = (_text(shape, 48), _text(dtype, 16),
                                        tensors.element_size())
-        return found[0], found[1], tensors.numel() * found[2]
+        numel = tensors.numel()
+        return found[0], found[1], numel * found[2], numel
     shape, dtype, nbytes = describe(tensors)
-    return _text(shape, 48), _text(dtype, 16), nbytes
+    numel = sum(t.numel() for t in tensors or () if isinstance(t, torch.Tensor))
+    return _text(shape, 48), _text(dtype, 16), nbytes, numel
 
 
 def describe(tensors: Any) -> tuple[str, str, int]:
@@ -313,12 +358,13 @@ def recorder() -> FlightRecorder | None:
 
 
 def issue(op: str, tag: str, tensors: Any, group: Any, async_op: bool, *, kind: int = COLLECTIVE,
-          peer: int = -1) -> int:
+          peer: int = -1, reduce_op: str = "") -> int:
     """zerolab.comm's call: record one of its collectives; -1 when no recorder is installed."""
     rec = _recorder
     if rec is None:
         return -1
-    return rec.issue(op, tensors, group, async_op, tag=tag, kind=kind, peer=peer)
+    return rec.issue(op, tensors, group, async_op, tag=tag, kind=kind, peer=peer,
+                     reduce_op=reduce_op)
 
 
 def calling(pos: int, blocking: bool) -> contextlib.AbstractContextManager:
@@ -358,6 +404,37 @@ def read_activity(path: str) -> int | None:
     return struct.unpack_from("<q", head, _ACTIVITY_AT)[0]
 
 
+def completed_digests(path: str) -> dict[tuple[str, tuple[int, ...]], dict[int, int]] | None:
+    """(group name, its ranks) -> {call number: digest} of the completed collectives the file
+    at `path` holds; None if there is none. What the launcher compares at every poll: the slots
+    are unpacked in one pass and no Entry is built (a tenth of a millisecond for a full ring,
+    where `read` takes milliseconds)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    if len(data) < HEADER.size or data[:8] != MAGIC:
+        return None
+    header = HEADER.unpack_from(data, 0)
+    written, slots = header[5], header[9]
+    ring = memoryview(data)[HEADER.size:HEADER.size + slots * SLOT.size]
+    if len(ring) < slots * SLOT.size:
+        return None
+    held: dict[tuple[str, tuple[int, ...]], dict[int, int]] = {}
+    groups: dict[tuple[bytes, bytes], tuple[str, tuple[int, ...]]] = {}
+    for index, row in enumerate(SLOT.iter_unpack(ring)):
+        pos, seq, state, kind = row[0], row[1], row[2], row[5]
+        if (pos % slots != index or not written - slots <= pos < written or kind != COLLECTIVE
+                or state != COMPLETED):
+            continue  # not written yet, a leftover of another turn of the ring, or not asked
+        key = groups.get((row[12], row[13]))
+        if key is None:
+            key = groups[row[12], row[13]] = (_str(row[12]), _parse_ranks(_str(row[13])))
+        held.setdefault(key, {})[seq] = row[17]
+    return held
+
+
 def read(path: str) -> FlightLog | None:
     """Everything the file at `path` holds; None if there is none (the rank never started)."""
     try:
@@ -378,12 +455,12 @@ def read(path: str) -> FlightLog | None:
         if fields[0] != pos:  # overwritten since (a torn read of a running rank): skip it
             continue
         (_, seq, state, async_op, comparable, kind, peer, nbytes, t_issue, t_done, op, dtype,
-         group, ranks, shape, tag) = fields
+         group, ranks, shape, tag, numel, digest, reduce_op) = fields
         entries.append(Entry(
             pos, seq, STATES.get(state, "issued"), bool(async_op), bool(comparable), kind,
             peer, nbytes, t_issue, t_done, _str(op), _str(dtype), _str(group),
-            _parse_ranks(_str(ranks)), _str(shape),
-            _str(tag)))
+            _parse_ranks(_str(ranks)), _str(shape), _str(tag), numel, digest,
+            _str(reduce_op)))
     return FlightLog(rank, world_size, pid, main_thread, written, activity, blocked,
                      PHASES[phase] if 0 <= phase < len(PHASES) else "running", entries)
 

@@ -126,8 +126,10 @@ def _wrap(fn: Callable, name: str, spec: tuple[str, int, str | None, str | None]
                                                  or arg("input_split_sizes")))
             if name == "batch_isend_irecv":
                 async_op = True
+            reduce_op = flight.reduce_op_name(arg("op")) if "op" in names else ""
             pos = rec.issue(op, tensors, group, async_op, kind=kind,
-                            peer=-1 if peer is None else int(peer), comparable=comparable)
+                            peer=-1 if peer is None else int(peer), comparable=comparable,
+                            reduce_op=reduce_op)
         except Exception:  # recording must never break the call itself
             return fn(*args, **kwargs)
         with rec.calling(pos, blocking=not async_op):
