@@ -94,6 +94,18 @@ def test_a_matrix_optimizer_steps_whole_parameters_under_ddp(habits):
         assert max_diff(r["adafactor", "ddp"], refs["adafactor"]) < FLOOR
 
 
+def test_gradients_are_reduced_when_backward_returns(habits):
+    """As torch's DDP: nothing in flight once loss.backward() returns, and DDP's .grad (the
+    model's own, read without calling the engine) the single process's."""
+    _, results = habits
+    want = C.reference_grads()
+    for r in results:
+        for key in C.ENGINES:
+            got = r["backward returns"][key]
+            assert got["waited"] and all(got["waited"]), key
+        assert max_diff(r["backward returns"]["ddp"]["grads"], want) < FLOOR
+
+
 def test_an_optimizer_over_the_sharded_models_own_parameters_is_refused(habits):
     _, results = habits
     for r in results:

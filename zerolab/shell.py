@@ -96,8 +96,7 @@ class EngineShell(nn.Module):
         self._backward_seen = False  # a gradient was accumulated since the last step
         self._grads_synced = False  # this step's gradients are reduced (step or clipping did it)
         self._sync = True  # False inside no_sync(): gradients accumulate locally, unreduced
-        self._reached: int | None = None  # parameters this backward reaches (None: not known)
-        self._accumulated = 0  # of which autograd has accumulated the gradient
+        self._accumulated = 0  # trainable parameters whose gradient this backward accumulated
         self.stepping = False  # inside step(): the optimizer's own step() runs
         self.shard_params: ShardParams | None = None  # engine.parameters() under ZeRO
         # What each rank holds: the stage's hooks.
@@ -138,8 +137,8 @@ class EngineShell(nn.Module):
     # ---- backward: the gradient hooks, and its end ----------------------------------------------
 
     def _hook_gradients(self) -> None:
-        """Each parameter's gradient hooks (the stage's), and two that see a backward start and
-        which parameters it reaches (its end: the Note below)."""
+        """Each parameter's gradient hooks (the stage's), and one that sees a backward start
+        (its end: the Note below)."""
         params = [p for b in self.buckets for p in b.params]
         for bucket in self.buckets:
             for p in bucket.params:
@@ -148,21 +147,22 @@ class EngineShell(nn.Module):
                 p.register_post_accumulate_grad_hook(
                     functools.partial(self._on_grad_accumulated, bucket))
         torch.autograd.graph.register_multi_grad_hook(params, self._backward_starts, mode="any")
-        torch.autograd.graph.register_multi_grad_hook(params, self._backward_reached, mode="all")
+        self._trainable = len(params)
 
     # Note: the end of backward. torch's DDP leaves every .grad averaged when backward returns,
     # so that anything reading them next (clip_grad_norm_, GradScaler.unscale_, a user's own
-    # optimizer) reads what the ranks agree on. A bucket whose parameters are all used is
-    # reduced by its last gradient's hook; one holding a parameter this backward does not reach
-    # would wait forever. torch's multi-grad hook (mode "all") fires once autograd has computed
-    # the gradient of every parameter the backward reaches, and says which those are: once that
-    # many gradients are accumulated, backward is over for the parameters, and the engine
-    # reduces what is left and waits. Inside no_sync() nothing is reduced. Whoever reads the
-    # gradients next (parameters(), an optimizer's step, clip_grad_norm_) syncs them anyway.
+    # optimizer) reads what the ranks agree on. Each bucket is reduced by its last gradient's
+    # hook; once every trainable parameter's gradient of this backward is accumulated (counted
+    # from the backward's first gradient, a multi-grad hook), backward is over for them, and
+    # the engine waits for the reductions backward started. (A multi-grad hook in mode "all"
+    # would say which parameters a backward reaches, but it holds every gradient until the
+    # last, and ZeRO-2 frees them as it goes.) A backward that leaves a parameter unused, or
+    # one inside no_sync(), ends unsynced: whoever reads the gradients next (parameters(), an
+    # optimizer's step, clip_grad_norm_, step()) reduces what is left first.
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         """The first parameter gradient of a backward (multi-grad hook, mode "any")."""
-        self._reached, self._accumulated = None, 0
+        self._accumulated = 0
         if self.shard_params is None:
             return
         # A user's optimizer.zero_grad() over the shard parameters set their .grad to None:
@@ -183,14 +183,9 @@ class EngineShell(nn.Module):
         self._accumulated += 1
         self._maybe_backward_done()
 
-    def _backward_reached(self, grads: Sequence[torch.Tensor | None]) -> None:
-        """Autograd computed every gradient this backward reaches (multi-grad hook, "all")."""
-        self._reached = sum(g is not None for g in grads)
-        self._maybe_backward_done()
-
     def _maybe_backward_done(self) -> None:
-        if self._reached is not None and self._accumulated == self._reached:
-            self._reached, self._accumulated = None, 0
+        if self._accumulated == self._trainable:
+            self._accumulated = 0
             # Finish what backward started: reduce what is left, wait (.grad averaged on
             # return). The after-backward variants (ddp.py's DDPAfterBackward, ...) start no
             # reduction in backward: theirs all run in step(), as those lessons time them.

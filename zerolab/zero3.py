@@ -100,7 +100,6 @@ class ZeRO3(ZeRO2):
         """Give each rank its own shard of every flat_param, then free the full buffers."""
         self._start_gathers()  # ZeRO-1's
         names = param_names(self.module)
-        self._accumulators: list = []  # each parameter's gradient accumulator, made whole
         for unit in self.units:
             for b in unit.buckets:
                 flat = None
@@ -108,11 +107,6 @@ class ZeRO3(ZeRO2):
                     flat = materialize_flat(self.module, b.params, [names[p] for p in b.params],
                                             b.layout, self.device)
                 self._flatten_params(b, flat)  # ZeRO-1's: flat_param, views, local_shard view
-                # Autograd checks a gradient against its parameter's shape when the parameter's
-                # gradient accumulator was made (the end-of-backward hook, shell.py, makes
-                # them): make and keep them while the parameters are whole, not 0-element.
-                self._accumulators += [p.view_as(p).grad_fn.next_functions[0][0]
-                                       for p in b.params if p.requires_grad]
                 b.local_shard.data = b.local_shard.detach().clone()  # its own (shard_numel,)
                 if b.local_shard.requires_grad:
                     self._grad_buffer(b)  # ZeRO-2's gradient shard

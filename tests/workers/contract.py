@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+import zerolab
 from zerolab import engines, harness, models
 
 ENGINES = ("ddp", "zero1", "zero2", "zero3")
@@ -95,6 +96,28 @@ def shard_numel(key: str) -> tuple[int, int]:
     return sum(p.numel() for p in ps), local
 
 
+def when_backward_returns(key: str) -> dict:
+    """Right after loss.backward(), nothing else called: every reduction waited for, and under
+    DDP the model's own .grad the average over ranks (torch's DDP's promise)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = models.GPT()
+    extra = {} if key == "zero3" else {"bucket_bytes": 1 << 14}
+    engine = engines.make_engine(key, model, torch.optim.SGD, **SGD, **extra)
+    x, y = batch(model, 0, rank, world_size)
+    with zerolab.record_comm(align=False) as log:
+        model.loss(engine(x), y).backward()
+        waited = [e.end is not None for e in log.events]
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if key == "ddp"}
+    return {"waited": waited, "grads": grads}
+
+
+def reference_grads() -> dict[str, torch.Tensor]:
+    model = models.GPT()
+    x, y = batch(model, 0, 0, 1)
+    model.loss(model(x), y).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
 HABITS = ("own optimizer", "grad scaler")
 
 
@@ -103,4 +126,5 @@ def run_all() -> dict:
     out["adafactor", "ddp"] = run("ddp", "adafactor")
     out["refused"] = {key: raw_params_refused(key) for key in ENGINES}
     out["numel"] = {key: shard_numel(key) for key in ENGINES}
+    out["backward returns"] = {key: when_backward_returns(key) for key in ENGINES}
     return out

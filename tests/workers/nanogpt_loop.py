@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import io
 import math
+import sys
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,7 @@ import zerolab
 from zerolab import engines, harness, models
 
 ENGINES = ("ddp", "zero1", "zero2", "zero3")
-ITERS, MICRO_STEPS, GLOBAL_BATCH = 4, 2, 8  # iterations; micro-steps per iteration; rows
+ITERS, MICRO_STEPS, GLOBAL_BATCH = 4, 2, 12  # iterations; micro-steps per iteration; rows
 RESUME_AT = 2  # the checkpoint is written after this many iterations
 LR, MIN_LR, WARMUP = 6e-3, 6e-4, 1
 GRAD_CLIP = 1.0
@@ -163,8 +164,9 @@ def run_all() -> dict:
     return {key: nanogpt(key) for key in (*ENGINES, "torch_ddp")}
 
 
-if __name__ == "__main__":  # by hand: python tests/workers/nanogpt_loop.py
+if __name__ == "__main__":  # by hand: python tests/workers/nanogpt_loop.py [world_size]
     ref = reference()
-    for key, got in zerolab.launch(run_all, 2)[0].items():
+    world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 2  # GLOBAL_BATCH divides by it
+    for key, got in zerolab.launch(run_all, world_size)[0].items():
         print(key, harness.max_diff(got["state"], ref["state"]),
               harness.max_diff(got["resumed"], ref["state"]), bool(got["refused"]))
