@@ -1,5 +1,6 @@
 """Learners' files that try to fool or stop the grader (tests/grading_adversarial/): each is a
-WRONG verdict saying what happened, the command line exits nonzero, and each is over within
+WRONG verdict saying what happened (or, for an answer made of the solution, "uses the
+reference", naming what it used), the command line exits nonzero, and each is over within
 four minutes, whatever the file does. The learner's code runs in processes of its own: the
 comparison is in the grader's process, out of reach; a replaced function of torch, zerolab or
 the grader is reported; time is kept, and the processes killed, from outside; output is capped.
@@ -41,6 +42,14 @@ CAUGHT = {
     "7.1-prints-forever": (None, "printed more than 1 MiB during case", ""),
 }
 
+# answer -> (world size, words the message must hold): answers built on the solution
+REFERENCE = {
+    "2.3-imports-solutions": (1, "your code imports solutions/ex02_collectives.py"),
+    "7.1-imports-solutions": (None, "from solutions.ex07_scaling import *): an answer built on "
+                                    "the reference shows nothing of yours"),
+    "7.1-imports-solutions-when-called": (None, "your code imports solutions/ex07_scaling.py"),
+}
+
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, Path]:
@@ -59,7 +68,8 @@ def graded(built) -> tuple[dict[str, grading.Result], float]:
 
 
 def test_every_file_on_disk_is_listed():
-    assert {p.stem for p in (TESTS / "grading_adversarial").glob("*.diff")} == set(CAUGHT)
+    assert {p.stem for p in (TESTS / "grading_adversarial").glob("*.diff")} == \
+        set(CAUGHT) | set(REFERENCE)
 
 
 @pytest.mark.parametrize("name", sorted(CAUGHT))
@@ -74,6 +84,19 @@ def test_each_is_wrong_and_says_what_happened(graded, name):
     assert result.timed_out == ("timed out" in words)
 
 
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_each_answer_made_of_the_solution_is_named(graded, name):
+    """At import (the file's text, or the modules its import loaded) or while its cases ran
+    (a module imported from inside the function): told from what the process holds."""
+    results, _ = graded
+    world_size, words = REFERENCE[name]
+    result = results[name]
+    assert result.status == "uses the reference", str(result)
+    assert result.world_size == world_size, str(result)
+    assert words in " ".join(result.message.split()), str(result)
+    assert "USES THE REFERENCE" in str(result) and "Write the answer yourself" in str(result)
+
+
 def test_a_flood_is_capped_and_its_head_shown(graded):
     results, _ = graded
     flood = results["7.1-prints-forever"]
@@ -86,7 +109,7 @@ def test_all_of_them_within_four_minutes_each(graded):
     """Four hangs (each stopped at the timeout, then its run started again for the rest), the
     other files in the same runs: far below four minutes per file."""
     _, elapsed = graded
-    assert elapsed < 4 * 60 * len(CAUGHT)
+    assert elapsed < 4 * 60 * (len(CAUGHT) + len(REFERENCE))
     assert elapsed < 4 * 60 + 4 * (TIMEOUT + 60)  # generous: a loaded machine is slow
 
 

@@ -1,13 +1,17 @@
-"""The grader's parts that need no ranks: data sent back as data, tampering seen, collectives
-compared across ranks, a stopped run explained, the ranks' hash seeds."""
+"""The grader's parts that need no ranks: data sent back as data, tampering seen, answers built
+on the reference told, collectives compared across ranks, a stopped run explained, the ranks'
+hash seeds."""
 
+import contextlib
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from zerolab.grading import crashes, data, flight, tamper
+from zerolab.grading import borrowed, crashes, data, flight, tamper
+from zerolab.grading.check import _load_module
 from zerolab.grading.defaults import HASH_SEEDS
 from zerolab.grading.mistakes import Evidence
 from zerolab.grading.session import Stop
@@ -49,6 +53,39 @@ def test_a_replaced_function_is_seen_and_a_new_module_is_not(monkeypatch):
     monkeypatch.undo()
     import json.tool  # noqa: F401  (a module imported later adds names: not a change)
     assert tamper.replaced(before) == []
+
+
+def test_answers_built_on_the_reference_are_told(tmp_path):
+    """What the learner's process holds, not what its code says: an import statement (text),
+    a function renamed from solutions/ or zerolab/, an engine built on zerolab's; the learner's
+    own code (even when it lies in solutions/) and a decorated method of its own are not."""
+    assert borrowed.imports_solutions("import os\nif x:\n    import solutions.ex02_zero1 as s\n")\
+        == "line 3: import solutions.ex02_zero1 as s"
+    assert borrowed.imports_solutions("from zerolab import solutions_like\n'import solutions'") \
+        is None
+    mine = tmp_path / "mine.py"
+    mine.write_text("import contextlib\nimport zerolab.zero2\nfrom zerolab import theory\n"
+                    "from zerolab.sharding import shard as largest_model\n"
+                    "class Own:\n    @contextlib.contextmanager\n    def no_sync(self):\n"
+                    "        yield\n"
+                    "class Engine(Own, zerolab.zero2.ZeRO2):\n    pass\n")
+    before = set(sys.modules)
+    module = _load_module(mine, prefix="_test_borrowed")
+    assert borrowed.in_module(module, module.largest_model, str(mine), "plain", before) == \
+        ["your answer is the function shard of zerolab/sharding.py"]
+    assert borrowed.in_module(module, module.Own, str(mine), "engine", before) == []
+    assert borrowed.in_module(module, module.Engine, str(mine), "engine", before) == \
+        ["Engine is built on ZeRO2, zerolab's engine in zerolab/zero2.py"]
+    solution = Path(borrowed.SOLUTIONS_DIR) / "ex07_scaling.py"
+    graded = _load_module(solution, prefix="_test_borrowed")
+    assert borrowed.in_module(graded, graded.largest_model, str(solution), "plain", before) == []
+    held = module.Own()
+    held.inner = [object.__new__(torch.nn.parallel.DistributedDataParallel)]
+    assert borrowed.in_engine(held, torch.nn.Linear(1, 1), str(mine)) == [
+        "your engine's inner is a DistributedDataParallel, torch's engine in "
+        "torch/nn/parallel/distributed.py"]
+    with contextlib.suppress(KeyError):
+        del sys.modules[module.__name__], sys.modules[graded.__name__]
 
 
 def _call(op: str, nbytes: int, tag: str, dtype: str = "float32") -> dict:

@@ -16,7 +16,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from zerolab.grading import crashes, data, kinds, session
+from zerolab.grading import borrowed, crashes, data, kinds, session
 from zerolab.grading.check import judge_raised
 from zerolab.grading.exercise import Exercise
 from zerolab.grading.mistakes import Evidence
@@ -90,6 +90,9 @@ def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
     done = [e for e in events if e["event"] == "done" and e["status"] == "tampered"]
     if done:  # whatever the cases showed, they were measured with replaced tools
         return _tampered(ex, n, done[0]["message"])
+    done = [e for e in events if e["event"] == "done" and e["status"] == "uses the reference"]
+    if done:  # imported lazily, while its cases ran
+        return _uses_reference(ex, n, done[0]["message"])
     for index in ["import", *range(len(cases))]:
         mine = [ends.get((index, r)) for r in range(n)]
         label = "" if index == "import" else cases[index].label
@@ -151,13 +154,16 @@ def _failed(ex: Exercise, task: Task, index: Any, label: str, failed: list[dict]
             expected: list[list[Any]], run: Run, cases: list) -> Result:
     """A case (or the import) that did not return on some rank: its first cause."""
     n = run.world_size
-    for status in ("tampered", "import failed", "missing", "error", "raised", "stub"):
+    for status in ("tampered", "uses the reference", "import failed", "missing", "error",
+                   "raised", "stub"):
         chosen = sorted((e for e in failed if e["status"] == status), key=lambda e: e["time"])
         if not chosen:
             continue
         e = chosen[0]  # the first to raise is the cause; the others may be its consequences
         if status == "tampered":
             return _tampered(ex, n, e.get("message", ""))
+        if status == "uses the reference":
+            return _uses_reference(ex, n, e.get("message", ""))
         if status == "import failed":
             name = task.learner.rsplit("/", 1)[-1]
             return Result(ex, "wrong", message=f"{name} does not import: {e['message']}",
@@ -188,6 +194,12 @@ def _tampered(ex: Exercise, world_size: int, what: str) -> Result:
                   mistake="the grader's tools patched",
                   hint="Leave torch, zerolab and zerolab.grading as they are: write your answer "
                        "in your own function, without changing what the grader measures with.")
+
+
+def _uses_reference(ex: Exercise, world_size: int, what: str) -> Result:
+    return Result(ex, "uses the reference", world_size=_shown(ex, world_size),
+                  message=f"{what}: an answer built on the reference shows nothing of yours",
+                  hint=borrowed.HINT)
 
 
 def _stopped(ex: Exercise, task: Task, index: Any, label: str, run: Run, timeout: float,

@@ -28,6 +28,7 @@ import datetime
 import json
 import os
 import resource
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerolab.grading import data, kinds, tamper
+from zerolab.grading import borrowed, data, kinds, tamper
 from zerolab.grading.check import _is_stub, _learner_traceback, _load_module
 from zerolab.grading.defaults import FILE_LIMIT, GRACE
 from zerolab.grading.registry import EXERCISES
@@ -68,7 +69,10 @@ def _agree(store: dist.Store, key: str, status: str, rank: int, world_size: int,
 
 def _raised(e: BaseException, learner_file: str) -> dict[str, str]:
     """How a case that raised ended: "stub" for the untouched exercise; an engine whose
-    constructor ran but a method is still the stub is "raised", and says so."""
+    constructor ran but a method is still the stub is "raised", and says so; an engine the
+    grader found built on a reference engine (borrowed.Borrowed) "uses the reference"."""
+    if type(e) is borrowed.Borrowed:
+        return {"status": "uses the reference", "message": str(e)}
     unwritten = getattr(e, "zerolab_unwritten", False)
     if _is_stub(e) and not unwritten:
         return {"status": "stub"}
@@ -94,6 +98,7 @@ class _Run:
                                     timeout=datetime.timedelta(seconds=self.timeout * 4))
         self.store = dist.FileStore(str(self.dir / "agree"), world_size)
         self.modules: dict[str, ModuleType | dict] = {}
+        self.modules_before: dict[str, set[str]] = {}  # learner file -> sys.modules before it
 
     def path(self, kind: str, *names: Any, suffix: str = "pt") -> str:
         return str(self.dir / f"{kind}-{'-'.join(map(str, (*names, self.rank)))}.{suffix}")
@@ -111,6 +116,10 @@ class _Run:
             except Exception:
                 found = {"error": traceback.format_exc()}
             data.save(found, self.path("ref", ex_id))
+        # The solutions the references ran leave this process's modules before any learner's
+        # code comes in: a learner's file that imports one then imports it itself (borrowed).
+        borrowed.forget_solutions(keep=[t["learner"] for t in self.tasks])
+        kinds.forget_solutions()
         self.events.write(event="references")
         go = self.dir / "go"
         while not go.exists():  # the grader reads every rank's references, then writes `go`
@@ -121,6 +130,7 @@ class _Run:
     def load(self, learner_file: str) -> ModuleType | dict:
         """The learner's module, imported once per run; or how importing it went wrong."""
         if learner_file not in self.modules:
+            self.modules_before[learner_file] = set(sys.modules)
             try:
                 self.modules[learner_file] = _load_module(Path(learner_file),
                                                           prefix="_zerolab_learner")
@@ -159,6 +169,8 @@ class _Run:
             outcome = module
         elif not hasattr(module, ex.function):
             outcome = {"status": "missing"}
+        elif uses := self.uses_reference(module, ex, learner_file):
+            outcome = {"status": "uses the reference", "message": uses}
         self.events.write(event="end", key=key, case="import", **outcome)
         if any(s != "returned" for s in self.agree(key, "import", outcome["status"])):
             return outcome["status"] != "tampered"
@@ -168,7 +180,8 @@ class _Run:
             self.events.write(event="begin", key=key, case=index, label=case.label)
             try:
                 found = kinds.run(ex, fn, case, self.rank, self.world_size, group,
-                                  self.path("flight", key, index, suffix="jsonl"))
+                                  self.path("flight", key, index, suffix="jsonl"),
+                                  learner_file=learner_file)
                 data.save(found, self.path("got", key, index))
                 outcome = {"status": "returned"}
             except BaseException as e:  # SystemExit too: the learner's code called exit()
@@ -177,10 +190,18 @@ class _Run:
             if any(s != "returned" for s in self.agree(key, index, outcome["status"], True)):
                 break
         changed = tamper.replaced(baseline)
-        status = "tampered" if changed else "returned"
+        uses = "" if changed else self.uses_reference(module, ex, learner_file)  # lazily
+        status = "tampered" if changed else "uses the reference" if uses else "returned"
         self.events.write(event="done", key=key, status=status,
-                          message=", ".join(changed[:5]))
-        return all(s == "returned" for s in self.agree(key, "done", status))
+                          message=", ".join(changed[:5]) or uses)
+        borrowed.forget_solutions(keep=[t["learner"] for t in self.tasks])
+        return "tampered" not in self.agree(key, "done", status)
+
+    def uses_reference(self, module: ModuleType, ex: Any, learner_file: str) -> str:
+        """What of the reference the learner's module uses, in words ("" when nothing)."""
+        found = borrowed.in_module(module, getattr(module, ex.function, None), learner_file,
+                                   ex.kind, self.modules_before[learner_file])
+        return "; ".join(found[:3])
 
 
 def serve(workdir: str, rank: int, world_size: int) -> None:
