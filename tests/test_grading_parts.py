@@ -1,6 +1,6 @@
 """The grader's parts that need no ranks: data sent back as data, tampering seen, answers built
-on the reference told, collectives compared across ranks, a stopped run explained, the ranks'
-hash seeds."""
+on the reference told, the course's files kept, collectives compared across ranks, a stopped
+run explained, the ranks' hash seeds."""
 
 import contextlib
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerolab.grading import borrowed, crashes, data, flight, tamper
+from zerolab.grading import borrowed, course, crashes, data, flight, tamper
 from zerolab.grading.check import _load_module
 from zerolab.grading.defaults import HASH_SEEDS
 from zerolab.grading.mistakes import Evidence
@@ -86,6 +86,33 @@ def test_answers_built_on_the_reference_are_told(tmp_path):
         "torch/nn/parallel/distributed.py"]
     with contextlib.suppress(KeyError):
         del sys.modules[module.__name__], sys.modules[graded.__name__]
+
+
+def test_the_course_is_kept_and_put_back(tmp_path):
+    """The other exercise files beside a graded one are the course too: a change is found, put
+    back (what was found kept beside it), an added file removed; the graded file is left out."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "ex07_scaling.py").write_text("graded")
+    (folder / "ex02_collectives.py").write_text("other")
+    before = course.snapshot([folder / "ex07_scaling.py"])
+    assert course.changes(before) == []
+    (folder / "ex07_scaling.py").write_text("graded, changed: the learner's own")
+    (folder / "ex02_collectives.py").write_text("rewritten")
+    (folder / "ex99_extra.py").write_text("added")
+    found = course.changes(before)
+    assert [(Path(c.path).name, c.how) for c in found] == [("ex02_collectives.py", "changed"),
+                                                           ("ex99_extra.py", "added")]
+    assert course.restore(before, found) == []
+    assert (folder / "ex02_collectives.py").read_text() == "other"
+    assert (folder / f"ex02_collectives.py{course.KEPT}").read_text() == "rewritten"
+    assert not (folder / "ex99_extra.py").exists() and course.changes(before) == []
+    cache = Path(borrowed.SOLUTIONS_DIR) / "__pycache__" / "ex07_scaling.forged.pyc"
+    cache.parent.mkdir(exist_ok=True)
+    cache.write_bytes(b"forged")  # not a change to report (Python writes these), but removed
+    assert course.changes(before) == []
+    course.drop_caches(before)
+    assert not cache.exists()
 
 
 def _call(op: str, nbytes: int, tag: str, dtype: str = "float32") -> dict:

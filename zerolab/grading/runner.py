@@ -8,6 +8,10 @@ found wrong on one world size is not run on the next. A run that stopped early (
 exit, a crash, a flood of output) gives a wrong verdict to the task it stopped in, and the
 tasks it never reached are run again; a run that could not even start is retried twice, then
 the grader gives up (not the learner's fault).
+
+The course's files (course.py) are read before any learner code runs, and compared after every
+run: a change is put back, and is the verdict (WRONG) of the file whose run made it. A run of
+several learners' files that changed the course is run again a file at a time, to tell which.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from zerolab.grading import borrowed, crashes, data, kinds, session
+from zerolab.grading import borrowed, course, crashes, data, kinds, session
 from zerolab.grading.check import judge_raised
 from zerolab.grading.exercise import Exercise
 from zerolab.grading.mistakes import Evidence
@@ -29,6 +33,7 @@ def grade_tasks(tasks: list[Task], world_sizes: Sequence[int],
                 timeout: float) -> dict[str, Result]:
     """Grade every task; their results by key (a task missing from it passed)."""
     results: dict[str, Result] = {}
+    pristine = course.snapshot(t.learner for t in tasks)
     plain = [t for t in tasks if not t.exercise.distributed]
     distributed = [t for t in tasks if t.exercise.distributed]
     sizes = list(world_sizes) if distributed else []
@@ -38,7 +43,7 @@ def grade_tasks(tasks: list[Task], world_sizes: Sequence[int],
         todo = [t for t in distributed if t.key not in results]
         if n == 1:
             todo = plain + todo
-        _grade_on(todo, n, timeout, results)
+        _grade_on(todo, n, timeout, results, pristine)
     return results
 
 
@@ -54,14 +59,18 @@ def _wrong_already(task: Task, index: int, got: list[Any],
     return record["status"] != "passed"
 
 
-def _grade_on(todo: list[Task], world_size: int, timeout: float,
-              results: dict[str, Result]) -> None:
+def _grade_on(todo: list[Task], world_size: int, timeout: float, results: dict[str, Result],
+              pristine: course.Snapshot) -> None:
     """Run `todo` on `world_size` ranks until every task has a verdict there (the references
     computed by the first run serve the next ones)."""
     failures = 0
     references: dict[str, list[Any]] = {}
     while todo:
         run = session.run(todo, world_size, timeout, references, _wrong_already)
+        course.drop_caches(pristine)
+        if changed := course.changes(pristine):
+            _course_changed(todo, world_size, timeout, results, pristine, changed)
+            return
         references = run.references
         if run.stop is not None and run.stop.how == "startup":
             failures += 1
@@ -76,6 +85,31 @@ def _grade_on(todo: list[Task], world_size: int, timeout: float,
             if verdict is not None:
                 results[task.key] = verdict
         todo = list(run.unreached)
+
+
+def _course_changed(todo: list[Task], world_size: int, timeout: float,
+                    results: dict[str, Result], pristine: course.Snapshot,
+                    changed: list[course.Change]) -> None:
+    """A run changed the course: put it back; with one learner's file in the run, that file's
+    tasks are WRONG; with several, each file is run again on its own, to tell which did it."""
+    failed = course.restore(pristine, changed)
+    files = list(dict.fromkeys(t.learner for t in todo))
+    if len(files) > 1:
+        for file in files:
+            _grade_on([t for t in todo if t.learner == file], world_size, timeout, results,
+                      pristine)
+        return
+    what = ", ".join(map(str, changed[:5])) + (", ..." if len(changed) > 5 else "")
+    back = (f"put back as they were but {'; '.join(failed)}: put those back yourself (git "
+            f"checkout)" if failed else "put back as they were")
+    for task in todo:
+        results[task.key] = Result(
+            task.exercise, "wrong", world_size=_shown(task.exercise, world_size),
+            message=f"your code changed the course's files: {what} ({back}). A grade "
+                    f"measures your answer against the course as it is",
+            mistake="the course's files changed",
+            hint="Leave solutions/, zerolab/ and the other exercises' files as they are: "
+                 "your answer's code writes nothing but its own results.")
 
 
 def _verdict(task: Task, run: Run, timeout: float) -> Result | None:

@@ -4,7 +4,9 @@
 tasks, each a learner's file for one exercise, are in workdir/tasks.json. In order:
 
 1. Limits: the process leads a process group of its own (the grader kills it, and whatever it
-   started, from outside), and no file it writes may pass FILE_LIMIT bytes.
+   started, from outside), no file it writes may pass FILE_LIMIT bytes, and it works in a
+   scratch folder of its own (scratch-<rank>, in the run's folder), never the project's: a
+   relative path in a learner's code lands there.
 2. The references, before any learner code is loaded: each distributed exercise's solution (an
    engine exercise: zerolab's engine of its stage) on every case, written to ref-<id>-<rank>.pt.
    The process then waits until the grader has read them all (the file `go`): what the learner's
@@ -211,6 +213,10 @@ def serve(workdir: str, rank: int, world_size: int) -> None:
     if os.getsid(0) != os.getpid():
         os.setsid()
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+    scratch = Path(workdir) / f"scratch-{rank}"  # started in the caller's folder: leave it
+    scratch.mkdir(exist_ok=True)
+    os.chdir(scratch)
+    os.environ["PWD"] = str(scratch)
     run = _Run(workdir, rank, world_size)
     run.references()
     baseline = tamper.snapshot()
