@@ -2,10 +2,12 @@
 the expected answers, or run from the project's folder.
 
 - an answer that rewrites solutions/ex07_scaling.py when imported (so that the reference
-  agrees with its wrong answer) is WRONG, named for what it changed, and the file is put back
-  (a run of several files that changed the course is run again a file at a time, to tell
-  which did it);
-- a learner's process starts in a scratch folder, not the project's.
+  agrees with its wrong answer) is WRONG, named for what it changed; the file is put back; a
+  plain wrong answer graded in the same grading stays WRONG (the course was not corrupted for
+  it), and the rewriting one is told apart from it (a run whose files changed the course is run
+  again a file at a time);
+- a learner's process starts in a scratch folder, not the project's, and finds no reference
+  (ref-*.pt) in the folders it can reach through /proc/self/fd.
 
 They run in a copy of the repository (zerolab/, solutions/, exercises/), graded from a process
 of its own: an answer here really writes into solutions/, which must not be the repository's
@@ -107,10 +109,17 @@ def test_an_answer_that_rewrites_the_solution_is_wrong_and_it_is_put_back(graded
         (REPO / "solutions" / "ex07_scaling.py").read_bytes()
 
 
-def test_learner_code_runs_in_a_scratch_folder(graded):
+def test_a_wrong_answer_graded_beside_it_stays_wrong(graded):
+    """The reference it is compared with is the pristine solution's, not the rewritten one."""
+    status, message, mistake = graded["results"]["wrong"]
+    assert status == "wrong" and mistake == "rounded up or to the nearest, not down", message
+
+
+def test_learner_code_runs_in_a_scratch_folder_and_sees_no_reference(graded):
     copy = str(graded["copy"])
     cwd = (graded["tmp"] / "rewrites-cwd").read_text()
     notes = json.loads((graded["tmp"] / "snoops.json").read_text())
     for where in (cwd, notes["cwd"], notes["pwd"]):
         assert not where.startswith(copy), where
+    assert notes["refs"] == []
     assert graded["results"]["snoops"][0] == "passed", graded["results"]["snoops"]

@@ -39,6 +39,13 @@ def forget_solutions() -> None:
     _solution.cache_clear()
 
 
+def prepare(ex: Exercise) -> None:
+    """Read now what a case of `ex` reads from solutions/ (a function's parameter names), so
+    that a process reads it before any learner's code runs there."""
+    if ex.kind != "engine":
+        call.positions(ex)
+
+
 def reference(ex: Exercise) -> Any:
     """What the learner's answer is compared with: the solution, or zerolab's engine."""
     return STAGES[ex.stage].reference if ex.kind == "engine" else solution(ex)

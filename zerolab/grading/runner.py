@@ -9,6 +9,8 @@ exit, a crash, a flood of output) gives a wrong verdict to the task it stopped i
 tasks it never reached are run again; a run that could not even start is retried twice, then
 the grader gives up (not the learner's fault).
 
+The references are computed before any learner code runs: plain exercises' here, once the
+course is read; distributed ones' by the ranks of each run, before its learner code (session.py).
 The course's files (course.py) are read before any learner code runs, and compared after every
 run: a change is put back, and is the verdict (WRONG) of the file whose run made it. A run of
 several learners' files that changed the course is run again a file at a time, to tell which.
@@ -35,6 +37,8 @@ def grade_tasks(tasks: list[Task], world_sizes: Sequence[int],
     results: dict[str, Result] = {}
     pristine = course.snapshot(t.learner for t in tasks)
     plain = [t for t in tasks if not t.exercise.distributed]
+    for ex_id in dict.fromkeys(t.exercise.id for t in plain):
+        _plain_expected(ex_id)  # from the course as just read, before any learner code runs
     distributed = [t for t in tasks if t.exercise.distributed]
     sizes = list(world_sizes) if distributed else []
     if plain and 1 not in sizes:

@@ -4,10 +4,11 @@ and stop them from outside when they go wrong.
 `run(tasks, world_size, timeout, references, judge)` starts `world_size` processes (hosts.py)
 running worker.serve, then watches them: their events files (worker.py), their exit, and the
 size of their output. It reads the references the ranks computed as soon as they are written
-(those it was given, computed by an earlier run, are not computed again) and only then lets
-the ranks load the learner's code. It kills every rank (SIGKILL to their process groups) when a
-case or an import has run `timeout` seconds, when a rank has printed more than OUTPUT_LIMIT
-bytes, or GRACE seconds after a rank has ended without finishing. Nothing a learner's code does
+(those it was given, computed by an earlier run, are not computed again), removes their files,
+and only then lets the ranks load the learner's code: no learner's process finds them. It
+kills every rank (SIGKILL to their process groups) when a case or an import has run `timeout`
+seconds, when a rank has printed more than OUTPUT_LIMIT bytes, or GRACE seconds after a rank
+has ended without finishing. Nothing a learner's code does
 in its process can delay this: the clock and the kill are here.
 
 As each case of a task ends on every rank, `judge(task, case, got)` may say the task is wrong
@@ -196,6 +197,8 @@ class _Watch:
                 for i in self.computed:
                     self.references[i] = [data.load(str(self.dir / f"ref-{i}-{r.rank}.pt"))
                                           for r in self.ranks]
+                for path in self.dir.glob("ref-*"):  # out of the learner's reach from here on
+                    path.unlink()
                 (self.dir / "go").touch()
                 go = True
             if all(r.finished and r.ended for r in self.ranks):

@@ -9,8 +9,9 @@ tasks, each a learner's file for one exercise, are in workdir/tasks.json. In ord
    relative path in a learner's code lands there.
 2. The references, before any learner code is loaded: each distributed exercise's solution (an
    engine exercise: zerolab's engine of its stage) on every case, written to ref-<id>-<rank>.pt.
-   The process then waits until the grader has read them all (the file `go`): what the learner's
-   answers are compared with is out of this process before the learner's code is in it.
+   The process then waits until the grader has read them all and removed their files (the file
+   `go`): what the learner's answers are compared with is out of this process, and off the
+   disk, before the learner's code is in it. What else of solutions/ a case reads is read now.
 3. `tamper.snapshot()`, then each task: import the learner's file, run every case, write what
    it returned (as data, got-<key>-<case>-<rank>.pt) and how it ended, then check that nothing
    the grader measures with was replaced (at import or since: the task's verdict is then
@@ -122,6 +123,8 @@ class _Run:
         # code comes in: a learner's file that imports one then imports it itself (borrowed).
         borrowed.forget_solutions(keep=[t["learner"] for t in self.tasks])
         kinds.forget_solutions()
+        for task in self.tasks:
+            kinds.prepare(EXERCISES[task["exercise"]])
         self.events.write(event="references")
         go = self.dir / "go"
         while not go.exists():  # the grader reads every rank's references, then writes `go`
