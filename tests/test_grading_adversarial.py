@@ -28,8 +28,12 @@ CAUGHT = {
     "2.2-os-exit-on-rank-1": (2, "your code ended the process (exit status 0) during case", ""),
     "3.1-patches-while-called": (None, "zerolab.grading.exercise.memory_of",
                                  "the grader's tools patched"),
+    "7.1-blinds-the-check": (None, "your code replaced zerolab.grading.tamper.replaced.__code__",
+                             "the grader's tools patched"),
     "7.1-exit-at-import": (None, "does not import: SystemExit: 0", ""),
     "7.1-exit-in-function": (None, "raised SystemExit: 0", ""),
+    "7.1-forges-a-result": (None, "your code replaced zerolab.grading.data.save in its process",
+                            "the grader's tools patched"),
     "7.1-loop-at-import": (None, "timed out after 10 s while importing your file", ""),
     "7.1-loop-catching-everything": (None, "timed out after 10 s during case", ""),
     "7.1-os-exit-at-import": (None, "(exit status 0) while importing your file", ""),
@@ -40,6 +44,14 @@ CAUGHT = {
                           "the grader's tools patched"),
     "7.1-prints-at-import": (None, "printed more than 1 MiB while importing your file", ""),
     "7.1-prints-forever": (None, "printed more than 1 MiB during case", ""),
+    "7.1-rebinds-run": (None, "your code replaced zerolab.grading.kinds.run in its process",
+                        "the grader's tools patched"),
+    "7.1-swaps-the-code-of-run": (None, "your code replaced zerolab.grading.kinds.run.__code__",
+                                  "the grader's tools patched"),
+    "7.1-writes-into-its-events": (None, "your code wrote into the grader's record of the run "
+                                         "while importing your file: the line 'all cases "
+                                         "passed' is not one the grader writes",
+                                   "the grader's files written"),
 }
 
 # answer -> (world size, words the message must hold): answers built on the solution

@@ -1,8 +1,11 @@
-"""The grader's parts that need no ranks: data sent back as data, tampering seen, answers built
-on the reference told, the course's files kept, collectives compared across ranks, a stopped
-run explained, the ranks' hash seeds."""
+"""The grader's parts that need no ranks: data sent back as data, a malformed result refused,
+tampering seen (code swapped in place too), answers built on the reference told, the course's
+files kept, collectives compared across ranks, a stopped run explained, the ranks' hash
+seeds."""
 
+import builtins
 import contextlib
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +13,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from zerolab.grading import borrowed, course, crashes, data, flight, tamper
+from zerolab import grading
+from zerolab.grading import (
+    borrowed,
+    call,
+    course,
+    crashes,
+    data,
+    flight,
+    kinds,
+    runner,
+    session,
+    tamper,
+)
 from zerolab.grading.check import _load_module
 from zerolab.grading.defaults import HASH_SEEDS
 from zerolab.grading.mistakes import Evidence
@@ -40,6 +55,49 @@ def test_reading_data_runs_no_code(tmp_path):
     torch.save({"x": Evidence}, path)  # a class: loading it would import and build objects
     with pytest.raises(Exception, match="Weights only load failed|Unsupported"):
         data.load(path)
+    refused = data.load_result(path)  # a learner's process's file: a verdict, not a traceback
+    assert isinstance(refused, data.Malformed) and "forged.pt could not be read" in refused.why
+
+
+def test_a_malformed_result_is_a_verdict(tmp_path):
+    """What a learner's process may write in place of the grader's records: events, collectives,
+    results. Each is refused as malformed, and a result judged so is WRONG, without a raise."""
+    keys = {"k"}
+    good = {"rank": 0, "time": 1.0, "event": "end", "key": "k", "case": 0, "status": "returned"}
+    assert session._valid(good, 0, keys)
+    for bad in ("all cases passed", [good], {**good, "rank": 1}, {**good, "key": "other"},
+                {**good, "case": "done"}, {**good, "case": True}, {**good, "status": "passed"},
+                {**good, "message": 3}, {**good, "event": "verdict"}):
+        assert not session._valid(bad, 0, keys), bad
+    path = tmp_path / "flight.jsonl"
+    path.write_text(json.dumps(_call("all_reduce", 8, "t")) + '\n{"op": "all_reduce"}\n'
+                    + json.dumps(_call("all_reduce", 8, "t")) + "\n")
+    assert flight.read(str(path)) == [_call("all_reduce", 8, "t")]
+    ex = grading.EXERCISES["7.1"]
+    case = ex.cases()[0]
+    expected = runner._plain_expected("7.1")[0][0]
+    for got in ({}, {"outputs": 3}, data.Malformed("forged.pt could not be read")):
+        record = runner._judge(ex, case, 1, [expected], [got])
+        assert record["status"] == "wrong" and record["mistake"] == "a malformed result", got
+    assert runner._judge(ex, case, 1, [expected], [expected])["status"] == "passed"
+
+
+def test_code_swapped_in_place_is_seen_by_the_sealed_check(monkeypatch):
+    """A function's code object or defaults swapped (the same function); and the check, taken
+    before, still sees when its own module's names and builtins are rebound after."""
+    check = tamper.sealed()
+    before = tamper.snapshot()
+    monkeypatch.setattr(kinds.run, "__code__", (lambda *a, **k: {}).__code__)
+    monkeypatch.setattr(call.call, "__defaults__", (0, 1, None, None))
+    monkeypatch.setattr(tamper, "snapshot", lambda: before)
+    monkeypatch.setattr(tamper.replaced, "__code__", (lambda before: []).__code__)
+    monkeypatch.setattr(builtins, "sorted", lambda *a, **k: [])
+    assert tamper.replaced(before) == []  # what the learner made of the module's own
+    found = check(before)
+    monkeypatch.undo()
+    assert found == ["builtins.sorted", "zerolab.grading.call.call.__defaults__",
+                     "zerolab.grading.kinds.run.__code__",
+                     "zerolab.grading.tamper.replaced.__code__", "zerolab.grading.tamper.snapshot"]
 
 
 def test_a_replaced_function_is_seen_and_a_new_module_is_not(monkeypatch):

@@ -56,11 +56,33 @@ def _wrong_already(task: Task, index: int, got: list[Any],
     """Whether a case that returned on every rank shows the task wrong (session.Judge)."""
     ex, n = task.exercise, len(got)
     expected = _expected(ex, references)
-    if isinstance(expected, Result):
+    if isinstance(expected, Result) or any(isinstance(g, data.Malformed) for g in got):
         return True
     cases = ex.cases(n) if ex.distributed else ex.cases()
-    record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got)
+    record = _judge(ex, cases[index], n, [e[index] for e in expected], got)
     return record["status"] != "passed"
+
+
+def _judge(ex: Exercise, case: Any, n: int, expected: list[Any], got: list[Any]) -> dict:
+    """kinds.judge, on what a learner's process sent back: data of another shape than the
+    grader's code writes (the learner's code can write its process's files) is a malformed
+    result, never a traceback here."""
+    bad = next((g for g in got if isinstance(g, data.Malformed)), None)
+    if bad is not None:
+        return _malformed(bad.why)
+    try:
+        return kinds.judge(ex, case, n, expected, got)
+    except Exception as e:
+        return _malformed(f"{type(e).__name__}: {e}"[:200])
+
+
+def _malformed(why: str) -> dict:
+    return {"status": "wrong", "output": None, "mistake": "a malformed result",
+            "message": f"what your code's process sent back is not what the grader's code "
+                       f"writes ({why}): was something of the grader's replaced or written "
+                       f"over?",
+            "hint": "Leave the grader's code and files alone: your answer returns its results, "
+                    "the grader measures and records them."}
 
 
 def _grade_on(todo: list[Task], world_size: int, timeout: float, results: dict[str, Result],
@@ -144,8 +166,9 @@ def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
             return _stopped(ex, task, index, label, run, timeout, cases)
         if index == "import":
             continue
-        got = [run.got[task.key, index, r] for r in range(n)]
-        record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got)
+        got = [run.got.get((task.key, index, r), data.Malformed("no result file"))
+               for r in range(n)]
+        record = _judge(ex, cases[index], n, [e[index] for e in expected], got)
         if record["status"] != "passed":
             return _result_from(ex, {**record, "label": label, "world_size": _shown(ex, n)},
                                 timeout)

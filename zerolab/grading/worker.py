@@ -15,7 +15,8 @@ tasks, each a learner's file for one exercise, are in workdir/tasks.json. In ord
 3. `tamper.snapshot()`, then each task: import the learner's file, run every case, write what
    it returned (as data, got-<key>-<case>-<rank>.pt) and how it ended, then check that nothing
    the grader measures with was replaced (at import or since: the task's verdict is then
-   "tampered", whatever its cases showed). A replaced function ends the run (a fresh one
+   "tampered", whatever its cases showed), with the check as it was when the process started
+   (`tamper.sealed()`). A replaced function ends the run (a fresh one
    grades the rest): the process is no longer the grader's.
 
 Everything that happens is appended to events-<rank>.jsonl as it happens (begin and end of
@@ -34,6 +35,7 @@ import resource
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -163,7 +165,8 @@ class _Run:
                 return ["skip"]
         return statuses
 
-    def task(self, task: dict, baseline: tamper.Snapshot) -> bool:
+    def task(self, task: dict, baseline: tamper.Snapshot,
+             replaced: Callable[[tamper.Snapshot], list[str]]) -> bool:
         """Grade one task on this rank; False when the process is no longer fit to go on."""
         key, ex, learner_file = task["key"], EXERCISES[task["exercise"]], task["learner"]
         group = dist.new_group() if ex.distributed else None  # its stray messages stay there
@@ -194,7 +197,7 @@ class _Run:
             self.events.write(event="end", key=key, case=index, **outcome)
             if any(s != "returned" for s in self.agree(key, index, outcome["status"], True)):
                 break
-        changed = tamper.replaced(baseline)
+        changed = replaced(baseline)
         uses = "" if changed else self.uses_reference(module, ex, learner_file)  # lazily
         status = "tampered" if changed else "uses the reference" if uses else "returned"
         self.events.write(event="done", key=key, status=status,
@@ -220,11 +223,12 @@ def serve(workdir: str, rank: int, world_size: int) -> None:
     scratch.mkdir(exist_ok=True)
     os.chdir(scratch)
     os.environ["PWD"] = str(scratch)
+    replaced = tamper.sealed()  # the check, as it is before any learner code runs
     run = _Run(workdir, rank, world_size)
     run.references()
     baseline = tamper.snapshot()
     for task in run.tasks:
-        if not run.task(task, baseline):
+        if not run.task(task, baseline, replaced):
             run.events.write(event="tainted")
             break
     else:
