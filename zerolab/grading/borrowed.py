@@ -49,7 +49,19 @@ class Borrowed(Exception):
 
 
 def _real(path: str | os.PathLike | None) -> str:
-    return os.path.realpath(path) if path else ""
+    """The path with its folder's links resolved (each folder resolved once: thousands of
+    modules' files are looked at, from a few hundred folders)."""
+    if not path:
+        return ""
+    folder, name = os.path.split(os.fspath(path))
+    if not os.path.isabs(folder):  # relative to a working directory that may change
+        return os.path.realpath(path)
+    return os.path.join(_real_folder(folder), name)
+
+
+@functools.cache
+def _real_folder(folder: str) -> str:
+    return os.path.realpath(folder)
 
 
 def _inside(path: str, folder: str | os.PathLike) -> bool:
@@ -208,10 +220,11 @@ def forget_solutions(keep: Iterable[str]) -> None:
     `keep`): the references' (loaded by the grader before any learner code), and those a
     learner's file imported, so that the next file's import of one is seen as its own."""
     kept = {_real(path) for path in keep}
+    solutions = _real(SOLUTIONS_DIR) + os.sep
     for name, m in list(sys.modules.items()):
         path = getattr(m, "__file__", None) if type(m) is types.ModuleType else None
-        if isinstance(path, str) and _inside(_real(path), SOLUTIONS_DIR) \
-                and _real(path) not in kept:
+        if isinstance(path, str) and (real := _real(path)).startswith(solutions) \
+                and real not in kept:
             del sys.modules[name]
 
 
