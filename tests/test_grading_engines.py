@@ -72,6 +72,14 @@ CAUGHT = {
                                      "reshard dropped references instead of freeing the storage"),
 }
 RIGHT = ["1.3-right-sum-then-divide", "4.2-right-gathers-together", "5.3-right-prefetch"]
+# answer -> words its "uses the reference" verdict must hold: engines built on the reference
+BORROWED = {
+    "1.3-holds-torch-ddp": "your engine's torch_ddp is a DistributedDataParallel, torch's engine "
+                           "in torch/nn/parallel/distributed.py",
+    "4.2-built-on-zerolab": "ZeRO2Engine is built on ZeRO2, zerolab's engine in zerolab/zero2.py",
+    "5.3-built-on-the-solution": "ZeRO3Engine is built on ZeRO3Engine, "
+                                 "solutions/ex05_zero3_engine.py",
+}
 
 
 # ---- registry, stubs, model: no ranks ---------------------------------------------------------
@@ -121,10 +129,10 @@ def test_a_diff_that_no_longer_fits_its_solution_is_refused(tmp_path):
 
 
 def test_every_engine_answer_on_disk_is_checked():
-    """A .diff added without an entry in CAUGHT (or RIGHT) would be built and never graded;
-    every exercise has at least three wrong answers of different kinds."""
+    """A .diff added without an entry in CAUGHT (or RIGHT, or BORROWED) would be built and
+    never graded; every exercise has at least three wrong answers of different kinds."""
     on_disk = {p.stem for p in DIFFS.glob("*.diff")}
-    assert on_disk == set(CAUGHT) | set(RIGHT)
+    assert on_disk == set(CAUGHT) | set(RIGHT) | set(BORROWED)
     for ex_id in ENGINES:
         kinds = {m for n, (_, _, m) in CAUGHT.items() if n.startswith(ex_id)}
         assert len(kinds) >= 3, ex_id
@@ -325,6 +333,15 @@ def test_wrong_engines_are_caught(graded, name):
         assert result.output == output, str(result)
     assert result.hint and result.message
     assert result.rank is None or result.rank in range(world_size)
+
+
+@pytest.mark.parametrize("name", sorted(BORROWED))
+def test_engines_built_on_the_reference_are_named(graded, name):
+    """Built on zerolab's engine or the solution's class (their MRO: at import, before any
+    case), or holding torch's DDP (seen in the engine the grader built, in the first case)."""
+    result = graded[name]
+    assert result.status == "uses the reference" and result.world_size == 1, str(result)
+    assert BORROWED[name] in " ".join(result.message.split()), str(result)
 
 
 def test_misdiagnoses_are_fixed(graded):

@@ -23,9 +23,11 @@ collectives it issued and their bytes (written down as issued: flight.py), and, 
 every live storage of the rank from before the model was built (zerolab.memory's tracker over
 the whole process, sorted by the grader's own categories: engine_memory.py). The comparison,
 and the naming of mistakes, happen here (check.py, engine_verdict.py), out of the learner's
-reach; a learner's file that replaces a function of torch, zerolab or the grader is reported
-(tamper.py). Time is kept and the processes are killed from outside (session.py): a timeout,
-an exit, a crash or a flood of output is a wrong verdict that says what happened.
+reach; a learner's file that replaces a function of torch, zerolab or the grader (or swaps its
+code object) is reported (tamper.py), and a result that is not what the grader's code writes is
+a wrong verdict, never a traceback. Time is kept and the processes are killed from outside
+(session.py): a timeout, an exit, a crash or a flood of output is a wrong verdict that says what
+happened.
 
 Plain exercises run on one process, distributed ones on 1, 2 and 3 ranks, one run per world
 size for all the files being graded; a file found wrong is not run again, and its remaining
@@ -36,6 +38,14 @@ wrong, with where (world size, rank, case), what (which output: expected against
 and max error; for an engine, which step, what was held and when, which collectives), the
 learner's own traceback lines when it raised, what it printed when it was stopped, the kind of
 mistake when the grader recognises it, and a hint: that kind's, else the exercise's general one.
+An answer built on the reference (it imports solutions/, or its engine is built on zerolab's or
+torch's) is "uses the reference", named, not passed (borrowed.py).
+
+The sandbox: the references are computed before any learner code runs (plain exercises' in this
+process, distributed ones' by the ranks, whose files are removed before learner code loads);
+learner processes work in a scratch folder; the course's files (solutions/, zerolab/, the
+exercise files not graded) are read before a grade and compared after every run, and a change
+is put back and is a WRONG verdict (course.py).
 
 The modules, one job each:
 
@@ -62,6 +72,8 @@ The modules, one job each:
     flight       each rank's collectives as issued, compared across ranks
     crashes      a run that stopped early, explained
     tamper       replaced functions of torch, zerolab and the grader, seen
+    borrowed     answers built on the reference (solutions/, zerolab's or torch's engines)
+    course       the course's files, kept before a grade and put back after
     report       Result and Report, and their messages
     grader       `grade`, `grade_files` and `load`
     hints        `hint`: an exercise's hints, a level at a time

@@ -1,6 +1,7 @@
 """How a learner's process ended early, said for the learner: a timeout, an exit, a signal,
-a flood of output. Each is a wrong answer (the grader stopped or lost the process: session.py),
-never a pass, and the message says what happened, where, and its likely cause.
+a flood of output, a record of the run the grader did not write. Each is a wrong answer (the
+grader stopped or lost the process: session.py), never a pass, and the message says what
+happened, where, and its likely cause.
 
 For a rank killed by a signal the grader also reads what every rank was issuing (flight.py):
 where the ranks' collectives parted (different sizes, or another order), or a receive buffer of
@@ -80,6 +81,13 @@ def explain(stop: Stop, timeout: float, mistakes: tuple[Mistake, ...],
     if stop.how == "output":
         return Explained(f"printed more than {OUTPUT_LIMIT >> 20} MiB {where}: the grader "
                          f"stopped the process (output capped).", printed=stop.output)
+    if stop.how == "malformed":
+        return Explained(f"your code wrote into the grader's record of the run {where}: the "
+                         f"line {stop.output!r} is not one the grader writes, so nothing after "
+                         f"it can be trusted (stopped by the grader).",
+                         Mistake("the grader's files written", "Leave the grader's files (the "
+                                 "run's folder, the files your process holds open) alone: "
+                                 "your answer returns its results, the grader records them."))
     if stop.how == "exited":
         how = ("os._exit()? " if stop.code == 0 else "")
         return Explained(f"your code ended the process (exit status {stop.code}) {where}: "

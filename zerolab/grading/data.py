@@ -98,6 +98,14 @@ def decode(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class Malformed:
+    """A result the grader could not take as what its own code writes: a file the safe loader
+    refuses, a file missing, a record of the wrong shape. Why, in words."""
+
+    why: str
+
+
 def save(value: Any, path: str) -> None:
     """Write encoded data to `path` (whole, or not at all: a reader never sees half a file)."""
     tmp = path + ".tmp"
@@ -108,3 +116,14 @@ def save(value: Any, path: str) -> None:
 def load(path: str) -> Any:
     """Read what `save` wrote, as data only (weights_only: no code runs), decoded."""
     return decode(torch.load(path, weights_only=True))
+
+
+def load_result(path: str) -> Any:
+    """`load`, for a file a learner's process wrote: what it holds, or a Malformed saying why
+    not (a learner's code can write into its own process's files)."""
+    try:
+        return load(path)
+    except Exception as e:  # refused by the safe loader, missing, cut short, ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return Malformed(f"{os.path.basename(path)} could not be read as data "
+                         f"({type(e).__name__}: {first[:120]})")

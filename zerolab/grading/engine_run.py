@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zerolab import comm, harness
-from zerolab.grading import flight
+from zerolab.grading import borrowed, flight
 from zerolab.grading.check import _is_stub
 from zerolab.grading.data import encode
 from zerolab.grading.engine_memory import Categories, Points, tracked
@@ -126,9 +126,19 @@ class _Driver:
                 "ring bytes": log.total_ring_bytes()}
 
 
+def _check_borrowed(engine: Any, model: torch.nn.Module, learner_file: str | None) -> None:
+    """A learner's engine that holds a reference engine (or let torch's FSDP wrap the model)
+    is built on it: borrowed.Borrowed, which the worker turns into the verdict."""
+    found = borrowed.in_engine(engine, model, learner_file) if learner_file else []
+    if found:
+        raise borrowed.Borrowed("; ".join(found[:3]))
+
+
 def run_case(stage_name: str, engine_cls: type, case: Case, rank: int, world_size: int,
-             group: dist.ProcessGroup | None, flight_path: str | None = None) -> dict[str, Any]:
-    """Train `engine_cls` (the learner's, or zerolab's reference) on one case; see above."""
+             group: dist.ProcessGroup | None, flight_path: str | None = None,
+             learner_file: str | None = None) -> dict[str, Any]:
+    """Train `engine_cls` (the learner's, or zerolab's reference) on one case; see above.
+    learner_file: the learner's file the engine comes from (None: the reference)."""
     [setting] = case.make(rank)
     kwargs = dict(group=group, **setting.optimizer_kwargs)
     if stage_name != "zero3":  # ZeRO-3 reduces a unit at a time: no bucket size to give
@@ -138,6 +148,7 @@ def run_case(stage_name: str, engine_cls: type, case: Case, rank: int, world_siz
     with tracked(categories) if setting.measured else contextlib.nullcontext() as tracker:
         model = make_model()
         engine = engine_cls(model, setting.optimizer_cls, **kwargs)  # zerolab's, or the learner's
+        _check_borrowed(engine, model, learner_file)
         categories.watch(model, engine)
         driver = _Driver(engine, model, setting, rank, world_size, group, flight_path,
                          categories)
@@ -153,5 +164,6 @@ def run_case(stage_name: str, engine_cls: type, case: Case, rank: int, world_siz
             if _is_stub(e):  # the constructor ran: a method is still to write
                 e.zerolab_unwritten = True
             raise
+        _check_borrowed(engine, model, learner_file)  # or built on one lazily
     hooked = [n for n, p in model.named_parameters() if getattr(p, "_backward_hooks", None)]
     return {"steps": steps, "tensor hooks": hooked}

@@ -47,17 +47,31 @@ def streamed(log: CommLog, path: str) -> _Streamed:
     return events
 
 
+def _call(line: str) -> dict | None:
+    """A line as `streamed` writes it, or None (cut by the process's end, or not ours: a
+    learner's code can write into its own process's files)."""
+    try:
+        call = json.loads(line)
+    except ValueError:
+        return None
+    fields = {"op": str, "tag": str, "nbytes": int, "dtype": (str, type(None))}
+    ok = isinstance(call, dict) and set(call) == set(fields) and all(
+        isinstance(call[k], t) and type(call[k]) is not bool for k, t in fields.items())
+    return call if ok else None
+
+
 def read(path: str) -> list[dict]:
-    """The calls a rank issued, from its file (none if it wrote none)."""
+    """The calls a rank issued, from its file (none if it wrote none), up to the first line
+    that is not one `streamed` writes."""
     if not os.path.exists(path):
         return []
     with open(path, errors="replace") as f:
         out = []
         for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:  # the last line, cut by the process's end
+            call = _call(line)
+            if call is None:
                 break
+            out.append(call)
         return out
 
 

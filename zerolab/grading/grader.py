@@ -9,6 +9,8 @@ import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from zerolab.grading.borrowed import HINT as BORROWED_HINT
+from zerolab.grading.borrowed import imports_solutions
 from zerolab.grading.check import _load_module
 from zerolab.grading.defaults import (
     DEFAULT_TIMEOUT,
@@ -86,8 +88,8 @@ def _grade_items(items: list[tuple[str, Exercise, Path]], timeout: float,
 
 
 def _without_running(ex: Exercise, learner_file: Path) -> Result | None:
-    """The verdict on a file that needs no running: missing, not parsing, or the stub as it
-    was generated. None: it must run."""
+    """The verdict on a file that needs no running: missing, not parsing, importing solutions/
+    (its text says so: borrowed.py), or the stub as it was generated. None: it must run."""
     if not learner_file.exists():
         return Result(ex, "not attempted", message=f"no file {_shown(learner_file)}")
     try:
@@ -100,6 +102,11 @@ def _without_running(ex: Exercise, learner_file: Path) -> Result | None:
                       hint="Fix the file so that `python " + learner_file.name + "` runs.")
     except (OSError, UnicodeDecodeError) as e:
         return Result(ex, "wrong", message=f"{learner_file.name} cannot be read: {e}")
+    statement = imports_solutions(source)
+    if statement is not None:
+        return Result(ex, "uses the reference", hint=BORROWED_HINT,
+                      message=f"{learner_file.name} imports the course's solutions ({statement}):"
+                              f" an answer built on the reference shows nothing of yours")
     if _untouched(ex, learner_file, SOLUTIONS_DIR / f"{ex.module}.py"):
         return Result(ex, "not attempted")  # the stub as generated: no process for it
     return None

@@ -34,16 +34,32 @@ def _solution(module: str, function: str) -> Callable:
     return getattr(_load_module(SOLUTIONS_DIR / f"{module}.py"), function)
 
 
+def forget_solutions() -> None:
+    """Drop the solutions loaded so far (in a learner's process, once the references ran)."""
+    _solution.cache_clear()
+
+
+def prepare(ex: Exercise) -> None:
+    """Read now what a case of `ex` reads from solutions/ (a function's parameter names), so
+    that a process reads it before any learner's code runs there."""
+    if ex.kind != "engine":
+        call.positions(ex)
+
+
 def reference(ex: Exercise) -> Any:
     """What the learner's answer is compared with: the solution, or zerolab's engine."""
     return STAGES[ex.stage].reference if ex.kind == "engine" else solution(ex)
 
 
 def run(ex: Exercise, fn: Any, case: Case, rank: int = 0, world_size: int = 1,
-        group: dist.ProcessGroup | None = None, flight_path: str | None = None) -> Any:
-    """One case of `fn` (a function, or an engine class), run here: what it did, as data."""
+        group: dist.ProcessGroup | None = None, flight_path: str | None = None,
+        learner_file: str | None = None) -> Any:
+    """One case of `fn` (a function, or an engine class), run here: what it did, as data.
+    learner_file: `fn` is a learner's, from that file (an engine is then checked for the
+    reference engines it holds: borrowed.in_engine)."""
     if ex.kind == "engine":
-        return engine_run.run_case(ex.stage, fn, case, rank, world_size, group, flight_path)
+        return engine_run.run_case(ex.stage, fn, case, rank, world_size, group, flight_path,
+                                   learner_file)
     return call.call(ex, fn, case, call.positions(ex), rank, world_size, group, flight_path)
 
 

@@ -17,13 +17,17 @@ from pathlib import Path
 from zerolab.grading.defaults import DEFAULT_WORLD_SIZES
 from zerolab.grading.exercise import Exercise
 
+_NOT_PASSED = ("wrong", "uses the reference", "error")  # the verdicts shown with their reasons
+
 
 @dataclass
 class Result:
     """One exercise's verdict."""
 
     exercise: Exercise
-    status: str  # "passed", "not attempted", "wrong", or "error" (the grader's own fault)
+    # "passed", "not attempted", "wrong", "uses the reference" (built on solutions/, zerolab's
+    # engines or torch's: not passed) or "error" (the grader's own fault)
+    status: str
     world_size: int | None = None  # distributed: on how many ranks it went wrong
     rank: int | None = None  # which rank
     case: str | None = None  # which input
@@ -41,11 +45,11 @@ class Result:
 
     def lines(self) -> list[str]:
         ex = self.exercise
-        status = self.status.upper() if self.status in ("wrong", "error") else self.status
+        status = self.status.upper() if self.status in _NOT_PASSED else self.status
         head = f"  {ex.id:<4} {ex.module + '.' + ex.function:<38} {status}"
         if self.status == "not attempted" and self.message:
             head += f" ({self.message})"
-        if self.status not in ("wrong", "error"):
+        if self.status not in _NOT_PASSED:
             return [head]
         where = []
         if self.world_size is not None:
@@ -123,12 +127,13 @@ class Report:
 
     def __post_init__(self) -> None:
         self.counts = {s: sum(r.status == s for r in self.results)
-                       for s in ("passed", "wrong", "not attempted", "error")}
+                       for s in ("passed", "wrong", "not attempted", "uses the reference",
+                                 "error")}
 
     @property
     def ok(self) -> bool:
-        """No exercise wrong (not attempted ones are fine)."""
-        return self.counts["wrong"] == 0 and self.counts["error"] == 0
+        """No exercise wrong, built on the reference or in error (not attempted is fine)."""
+        return all(self.counts[s] == 0 for s in _NOT_PASSED)
 
     def __getitem__(self, exercise_id: str) -> Result:
         return next(r for r in self.results if r.id == exercise_id)
@@ -138,7 +143,8 @@ class Report:
         lines = [f"Grading {_shown(self.path)}/ (distributed exercises on {sizes} ranks)"]
         for r in self.results:
             lines += r.lines()
-        summary = ", ".join(f"{v} {k}" for k, v in self.counts.items() if v or k != "error")
+        summary = ", ".join(f"{v} {k}" for k, v in self.counts.items()
+                            if v or k in ("passed", "wrong", "not attempted"))
         lines.append(f"{len(self.results)} exercises: {summary}")
         return "\n".join(lines)
 

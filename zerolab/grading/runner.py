@@ -8,6 +8,12 @@ found wrong on one world size is not run on the next. A run that stopped early (
 exit, a crash, a flood of output) gives a wrong verdict to the task it stopped in, and the
 tasks it never reached are run again; a run that could not even start is retried twice, then
 the grader gives up (not the learner's fault).
+
+The references are computed before any learner code runs: plain exercises' here, once the
+course is read; distributed ones' by the ranks of each run, before its learner code (session.py).
+The course's files (course.py) are read before any learner code runs, and compared after every
+run: a change is put back, and is the verdict (WRONG) of the file whose run made it. A run of
+several learners' files that changed the course is run again a file at a time, to tell which.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from zerolab.grading import crashes, data, kinds, session
+from zerolab.grading import borrowed, course, crashes, data, kinds, session
 from zerolab.grading.check import judge_raised
 from zerolab.grading.exercise import Exercise
 from zerolab.grading.mistakes import Evidence
@@ -29,7 +35,10 @@ def grade_tasks(tasks: list[Task], world_sizes: Sequence[int],
                 timeout: float) -> dict[str, Result]:
     """Grade every task; their results by key (a task missing from it passed)."""
     results: dict[str, Result] = {}
+    pristine = course.snapshot(t.learner for t in tasks)
     plain = [t for t in tasks if not t.exercise.distributed]
+    for ex_id in dict.fromkeys(t.exercise.id for t in plain):
+        _plain_expected(ex_id)  # from the course as just read, before any learner code runs
     distributed = [t for t in tasks if t.exercise.distributed]
     sizes = list(world_sizes) if distributed else []
     if plain and 1 not in sizes:
@@ -38,7 +47,7 @@ def grade_tasks(tasks: list[Task], world_sizes: Sequence[int],
         todo = [t for t in distributed if t.key not in results]
         if n == 1:
             todo = plain + todo
-        _grade_on(todo, n, timeout, results)
+        _grade_on(todo, n, timeout, results, pristine)
     return results
 
 
@@ -47,21 +56,47 @@ def _wrong_already(task: Task, index: int, got: list[Any],
     """Whether a case that returned on every rank shows the task wrong (session.Judge)."""
     ex, n = task.exercise, len(got)
     expected = _expected(ex, references)
-    if isinstance(expected, Result):
+    if isinstance(expected, Result) or any(isinstance(g, data.Malformed) for g in got):
         return True
     cases = ex.cases(n) if ex.distributed else ex.cases()
-    record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got)
+    record = _judge(ex, cases[index], n, [e[index] for e in expected], got)
     return record["status"] != "passed"
 
 
-def _grade_on(todo: list[Task], world_size: int, timeout: float,
-              results: dict[str, Result]) -> None:
+def _judge(ex: Exercise, case: Any, n: int, expected: list[Any], got: list[Any]) -> dict:
+    """kinds.judge, on what a learner's process sent back: data of another shape than the
+    grader's code writes (the learner's code can write its process's files) is a malformed
+    result, never a traceback here."""
+    bad = next((g for g in got if isinstance(g, data.Malformed)), None)
+    if bad is not None:
+        return _malformed(bad.why)
+    try:
+        return kinds.judge(ex, case, n, expected, got)
+    except Exception as e:
+        return _malformed(f"{type(e).__name__}: {e}"[:200])
+
+
+def _malformed(why: str) -> dict:
+    return {"status": "wrong", "output": None, "mistake": "a malformed result",
+            "message": f"what your code's process sent back is not what the grader's code "
+                       f"writes ({why}): was something of the grader's replaced or written "
+                       f"over?",
+            "hint": "Leave the grader's code and files alone: your answer returns its results, "
+                    "the grader measures and records them."}
+
+
+def _grade_on(todo: list[Task], world_size: int, timeout: float, results: dict[str, Result],
+              pristine: course.Snapshot) -> None:
     """Run `todo` on `world_size` ranks until every task has a verdict there (the references
     computed by the first run serve the next ones)."""
     failures = 0
     references: dict[str, list[Any]] = {}
     while todo:
         run = session.run(todo, world_size, timeout, references, _wrong_already)
+        course.drop_caches(pristine)
+        if changed := course.changes(pristine):
+            _course_changed(todo, world_size, timeout, results, pristine, changed)
+            return
         references = run.references
         if run.stop is not None and run.stop.how == "startup":
             failures += 1
@@ -78,6 +113,31 @@ def _grade_on(todo: list[Task], world_size: int, timeout: float,
         todo = list(run.unreached)
 
 
+def _course_changed(todo: list[Task], world_size: int, timeout: float,
+                    results: dict[str, Result], pristine: course.Snapshot,
+                    changed: list[course.Change]) -> None:
+    """A run changed the course: put it back; with one learner's file in the run, that file's
+    tasks are WRONG; with several, each file is run again on its own, to tell which did it."""
+    failed = course.restore(pristine, changed)
+    files = list(dict.fromkeys(t.learner for t in todo))
+    if len(files) > 1:
+        for file in files:
+            _grade_on([t for t in todo if t.learner == file], world_size, timeout, results,
+                      pristine)
+        return
+    what = ", ".join(map(str, changed[:5])) + (", ..." if len(changed) > 5 else "")
+    back = (f"put back as they were but {'; '.join(failed)}: put those back yourself (git "
+            f"checkout)" if failed else "put back as they were")
+    for task in todo:
+        results[task.key] = Result(
+            task.exercise, "wrong", world_size=_shown(task.exercise, world_size),
+            message=f"your code changed the course's files: {what} ({back}). A grade "
+                    f"measures your answer against the course as it is",
+            mistake="the course's files changed",
+            hint="Leave solutions/, zerolab/ and the other exercises' files as they are: "
+                 "your answer's code writes nothing but its own results.")
+
+
 def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
     """The task's result on this run's world size (None: passed)."""
     ex, n = task.exercise, run.world_size
@@ -90,6 +150,9 @@ def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
     done = [e for e in events if e["event"] == "done" and e["status"] == "tampered"]
     if done:  # whatever the cases showed, they were measured with replaced tools
         return _tampered(ex, n, done[0]["message"])
+    done = [e for e in events if e["event"] == "done" and e["status"] == "uses the reference"]
+    if done:  # imported lazily, while its cases ran
+        return _uses_reference(ex, n, done[0]["message"])
     for index in ["import", *range(len(cases))]:
         mine = [ends.get((index, r)) for r in range(n)]
         label = "" if index == "import" else cases[index].label
@@ -103,8 +166,9 @@ def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
             return _stopped(ex, task, index, label, run, timeout, cases)
         if index == "import":
             continue
-        got = [run.got[task.key, index, r] for r in range(n)]
-        record = kinds.judge(ex, cases[index], n, [e[index] for e in expected], got)
+        got = [run.got.get((task.key, index, r), data.Malformed("no result file"))
+               for r in range(n)]
+        record = _judge(ex, cases[index], n, [e[index] for e in expected], got)
         if record["status"] != "passed":
             return _result_from(ex, {**record, "label": label, "world_size": _shown(ex, n)},
                                 timeout)
@@ -151,13 +215,16 @@ def _failed(ex: Exercise, task: Task, index: Any, label: str, failed: list[dict]
             expected: list[list[Any]], run: Run, cases: list) -> Result:
     """A case (or the import) that did not return on some rank: its first cause."""
     n = run.world_size
-    for status in ("tampered", "import failed", "missing", "error", "raised", "stub"):
+    for status in ("tampered", "uses the reference", "import failed", "missing", "error",
+                   "raised", "stub"):
         chosen = sorted((e for e in failed if e["status"] == status), key=lambda e: e["time"])
         if not chosen:
             continue
         e = chosen[0]  # the first to raise is the cause; the others may be its consequences
         if status == "tampered":
             return _tampered(ex, n, e.get("message", ""))
+        if status == "uses the reference":
+            return _uses_reference(ex, n, e.get("message", ""))
         if status == "import failed":
             name = task.learner.rsplit("/", 1)[-1]
             return Result(ex, "wrong", message=f"{name} does not import: {e['message']}",
@@ -188,6 +255,12 @@ def _tampered(ex: Exercise, world_size: int, what: str) -> Result:
                   mistake="the grader's tools patched",
                   hint="Leave torch, zerolab and zerolab.grading as they are: write your answer "
                        "in your own function, without changing what the grader measures with.")
+
+
+def _uses_reference(ex: Exercise, world_size: int, what: str) -> Result:
+    return Result(ex, "uses the reference", world_size=_shown(ex, world_size),
+                  message=f"{what}: an answer built on the reference shows nothing of yours",
+                  hint=borrowed.HINT)
 
 
 def _stopped(ex: Exercise, task: Task, index: Any, label: str, run: Run, timeout: float,

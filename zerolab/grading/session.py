@@ -4,10 +4,11 @@ and stop them from outside when they go wrong.
 `run(tasks, world_size, timeout, references, judge)` starts `world_size` processes (hosts.py)
 running worker.serve, then watches them: their events files (worker.py), their exit, and the
 size of their output. It reads the references the ranks computed as soon as they are written
-(those it was given, computed by an earlier run, are not computed again) and only then lets
-the ranks load the learner's code. It kills every rank (SIGKILL to their process groups) when a
-case or an import has run `timeout` seconds, when a rank has printed more than OUTPUT_LIMIT
-bytes, or GRACE seconds after a rank has ended without finishing. Nothing a learner's code does
+(those it was given, computed by an earlier run, are not computed again), removes their files,
+and only then lets the ranks load the learner's code: no learner's process finds them. It
+kills every rank (SIGKILL to their process groups) when a case or an import has run `timeout`
+seconds, when a rank has printed more than OUTPUT_LIMIT bytes, or GRACE seconds after a rank
+has ended without finishing. Nothing a learner's code does
 in its process can delay this: the clock and the kill are here.
 
 As each case of a task ends on every rank, `judge(task, case, got)` may say the task is wrong
@@ -50,7 +51,7 @@ class Task:
 class Stop:
     """How a run ended early: which rank, how, and where it was (task key and case)."""
 
-    how: str  # "timeout", "exited", "killed", "output", "tainted", "startup"
+    how: str  # "timeout", "exited", "killed", "output", "tainted", "startup", "malformed"
     rank: int | None = None
     code: int | None = None  # the exit status; negative: the signal that killed it
     key: str | None = None
@@ -76,24 +77,68 @@ class Run:
 Judge = Callable[[Task, int, list[Any], dict[str, list[Any]]], bool]
 
 
+# What worker.py writes, event by event: the fields and their types. A line that is not one of
+# these was not written by the grader's code (a learner's code can write into the file).
+_CASE = (int, str)
+_EVENTS = {"begin": {"key": str, "case": _CASE, "label": str},
+           "end": {"key": str, "case": _CASE, "status": str},
+           "done": {"key": str, "status": str, "message": str},
+           "abandon": {"key": str, "case": _CASE},
+           "references": {}, "tainted": {}, "final": {}}
+_STATUSES = {"end": {"returned", "raised", "stub", "missing", "import failed",
+                     "uses the reference"},
+             "done": {"returned", "tampered", "uses the reference"}}
+_TEXT = ("message", "traceback", "label")  # optional, text when present
+
+
+def _valid(event: Any, rank: int, keys: set[str]) -> bool:
+    """Whether `event` is one worker.py writes for this rank and these tasks."""
+    if not isinstance(event, dict) or event.get("rank") != rank or \
+            type(event.get("time")) not in (int, float):
+        return False
+    fields = _EVENTS.get(event.get("event"))
+    if fields is None or any(not isinstance(event.get(f), t) or type(event.get(f)) is bool
+                             for f, t in fields.items()):
+        return False
+    if "key" in fields and event["key"] not in keys:
+        return False
+    if "case" in fields and isinstance(event["case"], str) and event["case"] != "import":
+        return False
+    status = _STATUSES.get(event["event"])
+    return (status is None or event["status"] in status) and \
+        all(isinstance(event.get(f, ""), str) for f in _TEXT)
+
+
 class _Rank:
-    def __init__(self, workdir: Path, rank: int):
+    def __init__(self, workdir: Path, rank: int, keys: set[str]):
         self.rank, self.process, self.offset, self.partial = rank, None, 0, ""
+        self.keys = keys  # the run's task keys
         self.events_path = workdir / f"events-{rank}.jsonl"
         self.log = workdir / f"log-{rank}"
         self.events: list[dict] = []
         self.begun: tuple[dict, float] | None = None  # the case it is in, since when (ours)
+        self.malformed = ""  # the first line of its events that the grader did not write
 
     def read(self) -> list[dict]:
-        """Take in the events written since the last look; return them."""
-        if not self.events_path.exists():
+        """Take in the events written since the last look; return them. From the first line
+        that is not an event of the grader's (`malformed`), nothing more is taken in."""
+        if not self.events_path.exists() or self.malformed:
             return []
         with open(self.events_path, errors="replace") as f:
             f.seek(self.offset)
             text = self.partial + f.read()
             self.offset = f.tell()
         *lines, self.partial = text.split("\n")
-        new = [json.loads(line) for line in lines]
+        new = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            if not _valid(event, self.rank, self.keys):
+                self.malformed = line[:80] or "an empty line"
+                break
+            new.append(event)
         for event in new:
             self.events.append(event)
             if event.get("event") == "begin":
@@ -132,7 +177,7 @@ class _Watch:
         self.references = dict(references)
         needed = dict.fromkeys(t.exercise.id for t in tasks if t.exercise.distributed)
         self.computed = [i for i in needed if i not in references]  # by the ranks, this run
-        self.ranks = [_Rank(self.dir, r) for r in range(world_size)]
+        self.ranks = [_Rank(self.dir, r, {t.key for t in tasks}) for r in range(world_size)]
         self.ends: dict[tuple[str, int], int] = {}  # (key, case) -> ranks that returned it
         self.got: dict[tuple[str, int, int], Any] = {}
         self.skipped: set[str] = set()
@@ -165,7 +210,7 @@ class _Watch:
         self.ends[key, case] = count
         if count < self.world_size:
             return
-        got = [data.load(str(self.dir / f"got-{key}-{case}-{r}.pt"))
+        got = [data.load_result(str(self.dir / f"got-{key}-{case}-{r}.pt"))
                for r in range(self.world_size)]
         for r, g in enumerate(got):
             self.got[key, case, r] = g
@@ -193,9 +238,11 @@ class _Watch:
                             and event["status"] == "returned"):
                         self._returned(event)
             if not go and all(r.last("references") for r in self.ranks):
-                for i in self.computed:
-                    self.references[i] = [data.load(str(self.dir / f"ref-{i}-{r.rank}.pt"))
-                                          for r in self.ranks]
+                for i in self.computed:  # written before any learner code ran: a file
+                    self.references[i] = [  # that cannot be read is the grader's error
+                        _reference(str(self.dir / f"ref-{i}-{r.rank}.pt")) for r in self.ranks]
+                for path in self.dir.glob("ref-*"):  # out of the learner's reach from here on
+                    path.unlink()
                 (self.dir / "go").touch()
                 go = True
             if all(r.finished and r.ended for r in self.ranks):
@@ -204,7 +251,7 @@ class _Watch:
                 stop = _trouble(self.ranks, self.timeout, now)
             if stop is None and not go and now - started > STARTUP_ALLOWANCE:
                 stop = Stop("startup")
-            if stop is not None and stop.how in ("timeout", "output", "startup"):
+            if stop is not None and stop.how in ("timeout", "output", "startup", "malformed"):
                 break
             # A rank ended early: the others get GRACE seconds to say how their case ended.
             if ended_at is None and any(r.ended and not r.finished for r in self.ranks):
@@ -251,8 +298,16 @@ def run(tasks: list[Task], world_size: int, timeout: float,
         shutil.rmtree(watch.dir, ignore_errors=True)
 
 
+def _reference(path: str) -> Any:
+    found = data.load_result(path)
+    return {"error": found.why} if isinstance(found, data.Malformed) else found
+
+
 def _trouble(ranks: list[_Rank], timeout: float, now: float) -> Stop | None:
     """The first sign that the run must end early, or None."""
+    for r in ranks:
+        if r.malformed:
+            return _stop_at(r, "malformed", output=r.malformed)
     for r in ranks:
         if r.log.exists() and r.log.stat().st_size > OUTPUT_LIMIT:
             return _stop_at(r, "output", output=r.output_head())

@@ -6,73 +6,126 @@ function returned, the collectives it issued (zerolab.comm), the memory it held
 such as `zerolab.comm.record_comm = ...` or `torch.Tensor.clone = ...` would change what is
 measured. So before the learner's file is imported, `snapshot()` notes every function, class
 and module that the loaded modules hold (and the methods of the classes torch and zerolab
-define), and `replaced(snapshot)` lists those that are no longer the same object. Values that
-are not code (counters, caches) change as programs run, and are not compared; nor are names
-added to a module since (a module imported later adds its own). A name added to one of those
-classes is a change: it hides what the class inherited (torch.Tensor.__eq__ = ...).
+define, and each function's code object and defaults: `kinds.run.__code__ = ...` keeps the
+function the same object), and `replaced(snapshot)` lists those that are no longer the same
+object. Values that are not code (counters, caches) change as programs run, and are not
+compared; nor are names added to a module since (a module imported later adds its own). A name
+added to one of those classes is a change: it hides what the class inherited
+(torch.Tensor.__eq__ = ...).
+
+The check itself runs in the learner's process, after the learner's code: `sealed()` gives the
+worker a copy of it made before, which names rebound since (of this module, of builtins) and
+code objects swapped since do not reach.
 """
 
 from __future__ import annotations
 
+import builtins
 import sys
 import types
 import warnings
+from collections.abc import Callable
 
-Snapshot = dict[tuple[str, ...], object]
+# module name -> (the module, its names bound to code, its functions' parts, its own classes:
+# name -> (the class's names, its members that are code, their functions' parts))
+Parts = tuple[object, object, object]  # a function's __code__, __defaults__, __kwdefaults__
+Snapshot = dict[str, tuple[object, dict[str, object], dict[str, Parts],
+                           dict[str, tuple[frozenset, dict[str, object], dict[str, Parts]]]]]
 
 # What counts as code: replacing one of these changes what later calls do.
-_CODE = (types.FunctionType, types.BuiltinFunctionType, types.ModuleType,
-         types.MethodDescriptorType, types.WrapperDescriptorType, types.MethodType,
-         classmethod, staticmethod, property)
+_CODE = frozenset((types.FunctionType, types.BuiltinFunctionType, types.ModuleType,
+                   types.MethodDescriptorType, types.WrapperDescriptorType, types.MethodType,
+                   classmethod, staticmethod, property))
+_FUNCTION = types.FunctionType
 _OWN_CLASSES = ("torch", "zerolab")  # whose classes' methods are snapshot too
 _CACHES = {"__slotnames__"}  # names Python itself adds to a class (copyreg, on first pickle)
+_PARTS = ("__code__", "__defaults__", "__kwdefaults__")  # what a function runs with
+_MODULES = sys.modules  # the dict itself: a name rebound in sys does not hide it
+_GONE = object()  # what a name that is gone holds
+_catch_warnings, _simplefilter = warnings.catch_warnings, warnings.simplefilter
 
 
-def _is_code(value: object) -> bool:
-    kind = type(value)  # type(), not isinstance(): no attribute of the value is read
-    return kind in _CODE or issubclass(kind, type)
-
-
-def _module_dict(module: object) -> dict:
+def _names(thing: object) -> dict:
     try:
-        return dict(vars(module))
+        return vars(thing)
     except TypeError:  # an object posing as a module in sys.modules
         return {}
 
 
+def _code(names: dict) -> tuple[dict[str, object], dict[str, Parts]]:
+    """The names bound to code (type(), not isinstance(): no attribute of a value is read),
+    and each function's parts: `fn.__code__ = ...` changes what a function runs and keeps it
+    the same object."""
+    code, parts = {}, {}
+    for key, value in list(names.items()):
+        kind = type(value)
+        if kind in _CODE or issubclass(kind, type):
+            code[key] = value
+            if kind is _FUNCTION:
+                parts[key] = (value.__code__, value.__defaults__, value.__kwdefaults__)
+    return code, parts
+
+
 def snapshot() -> Snapshot:
-    """Every (module, name) bound to code now, every method of torch's and zerolab's classes,
-    and which object each module of sys.modules is. The objects themselves are kept (an id
-    could be reused once its object is freed)."""
+    """Every (module, name) bound to code now (and each function's code object and defaults),
+    every method of torch's and zerolab's classes, and which object each module of sys.modules
+    is. The objects themselves are kept (an id could be reused once its object is freed)."""
     found: Snapshot = {}
-    with warnings.catch_warnings():  # deprecated aliases warn when they are read
-        warnings.simplefilter("ignore")
-        for name, module in list(sys.modules.items()):
+    with _catch_warnings():  # deprecated aliases warn when they are read
+        _simplefilter("ignore")
+        for name, module in list(_MODULES.items()):
             if module is None:
                 continue
-            found[("sys.modules", name)] = module
-            own = name.split(".")[0] in _OWN_CLASSES
-            for key, value in _module_dict(module).items():
-                if not _is_code(value):
-                    continue
-                found[(name, key)] = value
-                if own and issubclass(type(value), type) and value.__module__ == name:
-                    found[(name, key, "")] = frozenset(vars(value))  # its names, to see added ones
-                    for attr, member in vars(value).items():
-                        if _is_code(member):
-                            found[(name, key, attr)] = member
+            code, parts = _code(_names(module))
+            classes = {}
+            if name.split(".")[0] in _OWN_CLASSES:
+                for key, value in code.items():
+                    if issubclass(type(value), type) and value.__module__ == name:
+                        members = vars(value)
+                        classes[key] = (frozenset(members), *_code(members))
+            found[name] = (module, code, parts, classes)
     return found
 
 
-def replaced(before: Snapshot) -> list[str]:
-    """What of `before` is now another object, or gone: dotted names, sorted."""
-    now = snapshot()
+def _parts_changed(where: str, fns: dict[str, object], parts: dict[str, Parts]) -> list[str]:
     changed = []
-    for key, value in before.items():
-        if key[-1] == "":  # a class's names: any new one
-            added = sorted(now.get(key, value) - value - _CACHES)
-            changed += [".".join((*key[:-1], name)) for name in added]
-        elif now.get(key) is not value:
-            changed.append(f"sys.modules[{key[1]!r}]" if key[0] == "sys.modules"
-                           else ".".join(key))
+    for key, old in parts.items():
+        fn = fns[key]
+        new = (fn.__code__, fn.__defaults__, fn.__kwdefaults__)
+        changed += [f"{where}.{key}.{part}" for part, a, b in zip(_PARTS, old, new) if a is not b]
+    return changed
+
+
+def replaced(before: Snapshot) -> list[str]:
+    """What of `before` is now another object, or gone: dotted names, sorted (a function whose
+    code object or defaults were replaced: its name and the part, `...run.__code__`)."""
+    changed = []
+    for name, (module, code, parts, classes) in before.items():
+        if _MODULES.get(name) is not module:
+            changed.append(f"sys.modules[{name!r}]")
+        now = _names(module)
+        changed += [f"{name}.{key}" for key, value in code.items()
+                    if now.get(key, _GONE) is not value]
+        changed += _parts_changed(name, code, parts)
+        for key, (names, members, member_parts) in classes.items():
+            cls_now = vars(code[key])
+            where = f"{name}.{key}"
+            changed += [f"{where}.{attr}" for attr in sorted(frozenset(cls_now) - names - _CACHES)]
+            changed += [f"{where}.{attr}" for attr, member in members.items()
+                        if cls_now.get(attr, _GONE) is not member]
+            changed += _parts_changed(where, members, member_parts)
     return sorted(changed)
+
+
+def sealed() -> Callable[[Snapshot], list[str]]:
+    """`replaced`, made now from its code objects with globals and builtins of its own: a
+    learner's code that rebinds a name of this module or of builtins (sorted, type, ...), or
+    swaps one of these functions' code, does not change what the sealed copy runs. Taken
+    before any learner code runs, and kept by the caller."""
+    private = dict(globals())
+    private["__builtins__"] = dict(vars(builtins))
+    for name in ("_names", "_code", "snapshot", "_parts_changed", "replaced"):
+        fn = globals()[name]
+        private[name] = types.FunctionType(fn.__code__, private, fn.__name__, fn.__defaults__,
+                                           fn.__closure__)
+    return private["replaced"]

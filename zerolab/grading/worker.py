@@ -4,15 +4,19 @@
 tasks, each a learner's file for one exercise, are in workdir/tasks.json. In order:
 
 1. Limits: the process leads a process group of its own (the grader kills it, and whatever it
-   started, from outside), and no file it writes may pass FILE_LIMIT bytes.
+   started, from outside), no file it writes may pass FILE_LIMIT bytes, and it works in a
+   scratch folder of its own (scratch-<rank>, in the run's folder), never the project's: a
+   relative path in a learner's code lands there.
 2. The references, before any learner code is loaded: each distributed exercise's solution (an
    engine exercise: zerolab's engine of its stage) on every case, written to ref-<id>-<rank>.pt.
-   The process then waits until the grader has read them all (the file `go`): what the learner's
-   answers are compared with is out of this process before the learner's code is in it.
+   The process then waits until the grader has read them all and removed their files (the file
+   `go`): what the learner's answers are compared with is out of this process, and off the
+   disk, before the learner's code is in it. What else of solutions/ a case reads is read now.
 3. `tamper.snapshot()`, then each task: import the learner's file, run every case, write what
    it returned (as data, got-<key>-<case>-<rank>.pt) and how it ended, then check that nothing
    the grader measures with was replaced (at import or since: the task's verdict is then
-   "tampered", whatever its cases showed). A replaced function ends the run (a fresh one
+   "tampered", whatever its cases showed), with the check as it was when the process started
+   (`tamper.sealed()`). A replaced function ends the run (a fresh one
    grades the rest): the process is no longer the grader's.
 
 Everything that happens is appended to events-<rank>.jsonl as it happens (begin and end of
@@ -28,8 +32,10 @@ import datetime
 import json
 import os
 import resource
+import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -37,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerolab.grading import data, kinds, tamper
+from zerolab.grading import borrowed, data, kinds, tamper
 from zerolab.grading.check import _is_stub, _learner_traceback, _load_module
 from zerolab.grading.defaults import FILE_LIMIT, GRACE
 from zerolab.grading.registry import EXERCISES
@@ -68,7 +74,10 @@ def _agree(store: dist.Store, key: str, status: str, rank: int, world_size: int,
 
 def _raised(e: BaseException, learner_file: str) -> dict[str, str]:
     """How a case that raised ended: "stub" for the untouched exercise; an engine whose
-    constructor ran but a method is still the stub is "raised", and says so."""
+    constructor ran but a method is still the stub is "raised", and says so; an engine the
+    grader found built on a reference engine (borrowed.Borrowed) "uses the reference"."""
+    if type(e) is borrowed.Borrowed:
+        return {"status": "uses the reference", "message": str(e)}
     unwritten = getattr(e, "zerolab_unwritten", False)
     if _is_stub(e) and not unwritten:
         return {"status": "stub"}
@@ -94,6 +103,7 @@ class _Run:
                                     timeout=datetime.timedelta(seconds=self.timeout * 4))
         self.store = dist.FileStore(str(self.dir / "agree"), world_size)
         self.modules: dict[str, ModuleType | dict] = {}
+        self.modules_before: dict[str, set[str]] = {}  # learner file -> sys.modules before it
 
     def path(self, kind: str, *names: Any, suffix: str = "pt") -> str:
         return str(self.dir / f"{kind}-{'-'.join(map(str, (*names, self.rank)))}.{suffix}")
@@ -111,6 +121,12 @@ class _Run:
             except Exception:
                 found = {"error": traceback.format_exc()}
             data.save(found, self.path("ref", ex_id))
+        # The solutions the references ran leave this process's modules before any learner's
+        # code comes in: a learner's file that imports one then imports it itself (borrowed).
+        borrowed.forget_solutions(keep=[t["learner"] for t in self.tasks])
+        kinds.forget_solutions()
+        for task in self.tasks:
+            kinds.prepare(EXERCISES[task["exercise"]])
         self.events.write(event="references")
         go = self.dir / "go"
         while not go.exists():  # the grader reads every rank's references, then writes `go`
@@ -121,6 +137,7 @@ class _Run:
     def load(self, learner_file: str) -> ModuleType | dict:
         """The learner's module, imported once per run; or how importing it went wrong."""
         if learner_file not in self.modules:
+            self.modules_before[learner_file] = set(sys.modules)
             try:
                 self.modules[learner_file] = _load_module(Path(learner_file),
                                                           prefix="_zerolab_learner")
@@ -148,7 +165,8 @@ class _Run:
                 return ["skip"]
         return statuses
 
-    def task(self, task: dict, baseline: tamper.Snapshot) -> bool:
+    def task(self, task: dict, baseline: tamper.Snapshot,
+             replaced: Callable[[tamper.Snapshot], list[str]]) -> bool:
         """Grade one task on this rank; False when the process is no longer fit to go on."""
         key, ex, learner_file = task["key"], EXERCISES[task["exercise"]], task["learner"]
         group = dist.new_group() if ex.distributed else None  # its stray messages stay there
@@ -159,6 +177,8 @@ class _Run:
             outcome = module
         elif not hasattr(module, ex.function):
             outcome = {"status": "missing"}
+        elif uses := self.uses_reference(module, ex, learner_file):
+            outcome = {"status": "uses the reference", "message": uses}
         self.events.write(event="end", key=key, case="import", **outcome)
         if any(s != "returned" for s in self.agree(key, "import", outcome["status"])):
             return outcome["status"] != "tampered"
@@ -168,7 +188,8 @@ class _Run:
             self.events.write(event="begin", key=key, case=index, label=case.label)
             try:
                 found = kinds.run(ex, fn, case, self.rank, self.world_size, group,
-                                  self.path("flight", key, index, suffix="jsonl"))
+                                  self.path("flight", key, index, suffix="jsonl"),
+                                  learner_file=learner_file)
                 data.save(found, self.path("got", key, index))
                 outcome = {"status": "returned"}
             except BaseException as e:  # SystemExit too: the learner's code called exit()
@@ -176,11 +197,19 @@ class _Run:
             self.events.write(event="end", key=key, case=index, **outcome)
             if any(s != "returned" for s in self.agree(key, index, outcome["status"], True)):
                 break
-        changed = tamper.replaced(baseline)
-        status = "tampered" if changed else "returned"
+        changed = replaced(baseline)
+        uses = "" if changed else self.uses_reference(module, ex, learner_file)  # lazily
+        status = "tampered" if changed else "uses the reference" if uses else "returned"
         self.events.write(event="done", key=key, status=status,
-                          message=", ".join(changed[:5]))
-        return all(s == "returned" for s in self.agree(key, "done", status))
+                          message=", ".join(changed[:5]) or uses)
+        borrowed.forget_solutions(keep=[t["learner"] for t in self.tasks])
+        return "tampered" not in self.agree(key, "done", status)
+
+    def uses_reference(self, module: ModuleType, ex: Any, learner_file: str) -> str:
+        """What of the reference the learner's module uses, in words ("" when nothing)."""
+        found = borrowed.in_module(module, getattr(module, ex.function, None), learner_file,
+                                   ex.kind, self.modules_before[learner_file])
+        return "; ".join(found[:3])
 
 
 def serve(workdir: str, rank: int, world_size: int) -> None:
@@ -190,11 +219,16 @@ def serve(workdir: str, rank: int, world_size: int) -> None:
     if os.getsid(0) != os.getpid():
         os.setsid()
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
+    scratch = Path(workdir) / f"scratch-{rank}"  # started in the caller's folder: leave it
+    scratch.mkdir(exist_ok=True)
+    os.chdir(scratch)
+    os.environ["PWD"] = str(scratch)
+    replaced = tamper.sealed()  # the check, as it is before any learner code runs
     run = _Run(workdir, rank, world_size)
     run.references()
     baseline = tamper.snapshot()
     for task in run.tasks:
-        if not run.task(task, baseline):
+        if not run.task(task, baseline, replaced):
             run.events.write(event="tainted")
             break
     else:
