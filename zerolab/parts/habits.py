@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,26 +51,32 @@ from zerolab.sharding import shard
 # engine warns that it does, naming the calls that zero (zero2.py, NOT_ZEROED).
 
 
+def route(engine: Any, obj: Any, name: str, method: Callable[..., Any]) -> None:
+    """Make obj.name(...) call method(engine, obj, ...) while obj is the engine's own (its
+    module or optimizer); a deep copy of obj, or obj after the engine is gone, gets torch's
+    method back. Bound to obj itself, so that copy.deepcopy binds the copy's to the copy; the
+    engine held weakly, so that the model does not keep it alive."""
+    ref = weakref.ref(engine)
+    torch_method = getattr(type(obj), name)
+
+    def routed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        e = ref()
+        if e is None or self not in (e.module, e.optimizer):
+            return torch_method(self, *args, **kwargs)
+        return method(e, self, *args, **kwargs)
+
+    setattr(obj, name, types.MethodType(routed, obj))
+
+
 def route_optimizer(engine: Any) -> None:
     """Make engine.module.zero_grad(), engine.optimizer.zero_grad() and engine.optimizer.step()
     the engine's; engine.optimizer.state_dict() refuses where one rank's cannot resume."""
-    ref = weakref.ref(engine)  # the model must not keep the engine alive
 
-    def module_zero_grad(module: nn.Module, set_to_none: bool = True) -> None:
-        e = ref()
-        if e is None or e.module is not module:  # a deep copy of the model: torch's own
-            return nn.Module.zero_grad(module, set_to_none)
+    def zero_grad(e: Any, obj: Any, set_to_none: bool = True) -> None:
         e.zero_grad(set_to_none)
 
-    def optimizer_zero_grad(optimizer: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-        e = ref()
-        if e is None or e.optimizer is not optimizer:
-            return type(optimizer).zero_grad(optimizer, set_to_none)
-        e.zero_grad(set_to_none)
-
-    def optimizer_step(optimizer: torch.optim.Optimizer, closure=None, **kwargs):
-        e = ref()
-        if e is None or e.optimizer is not optimizer or e.stepping:  # the engine's own call
+    def step(e: Any, optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
+        if e.stepping:  # the engine's own call, from inside engine.step()
             return type(optimizer).step(optimizer, closure, **kwargs)
         if closure is not None:
             raise TypeError(f"{type(e).__name__}.optimizer.step(closure): the engine reduces "
@@ -78,18 +85,15 @@ def route_optimizer(engine: Any) -> None:
                             "loss.backward(), then optimizer.step() with no argument.")
         e.step()
 
-    def optimizer_state_dict(optimizer: torch.optim.Optimizer) -> dict:
-        e = ref()
-        if e is not None and e.optimizer is optimizer and e.shards_params and \
-                e.world_size > 1:
+    def state_dict(e: Any, optimizer: torch.optim.Optimizer) -> dict:
+        if e.shards_params and e.world_size > 1:
             raise RuntimeError(ONE_RANKS_STATE.format(type(e).__name__))
         return type(optimizer).state_dict(optimizer)
 
-    # Bound to the object itself, so that copy.deepcopy binds the copy's to the copy.
-    engine.module.zero_grad = types.MethodType(module_zero_grad, engine.module)
-    engine.optimizer.zero_grad = types.MethodType(optimizer_zero_grad, engine.optimizer)
-    engine.optimizer.step = types.MethodType(optimizer_step, engine.optimizer)
-    engine.optimizer.state_dict = types.MethodType(optimizer_state_dict, engine.optimizer)
+    route(engine, engine.module, "zero_grad", zero_grad)
+    route(engine, engine.optimizer, "zero_grad", zero_grad)
+    route(engine, engine.optimizer, "step", step)
+    route(engine, engine.optimizer, "state_dict", state_dict)
 
 
 ONE_RANKS_STATE = (
@@ -117,30 +121,31 @@ def guard_user_optimizers(engine: Any) -> None:
     ref = weakref.ref(engine)
     module_params = {id(p) for p in engine.module.parameters()}
 
-    def stepped_params(optimizer):
-        return [p for g in optimizer.param_groups for p in g["params"]]
+    def reached(e: Any, optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
+        """(it steps the model's own parameters, it steps the engine's shard parameters)"""
+        ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        shards = e.shard_params is not None and not ids.isdisjoint(e.shard_params.ids)
+        return not ids.isdisjoint(module_params), shards
 
     def before(optimizer, args, kwargs) -> None:
         e = ref()
         if e is None or optimizer is e.optimizer:
             return
-        params = stepped_params(optimizer)
-        if any(id(p) in module_params or (e.shard_params is not None and e.shard_params.holds(p))
-               for p in params):
+        model, shards = reached(e, optimizer)
+        if model or shards:
             e._sync_if_backward()  # gradients reduced before anyone steps on them
-        if e.shards_params and any(id(p) in module_params for p in params):
+        if model and e.shards_params:
             raise RuntimeError(WRONG_PARAMS.format(type(e).__name__))
-        if e.shard_params is not None and any(e.shard_params.holds(p) for p in params):
-            if e.precision.param_dtype is not None:
-                raise RuntimeError(f"{type(e).__name__}(param_dtype=...): the engine's "
-                                   "optimizer steps fp32 masters of the 16-bit shards; step "
-                                   "it (engine.optimizer.step()), not an optimizer of yours.")
+        if shards and e.precision.param_dtype is not None:
+            raise RuntimeError(f"{type(e).__name__}(param_dtype=...): the engine's optimizer "
+                               "steps fp32 masters of the 16-bit shards; step it "
+                               "(engine.optimizer.step()), not an optimizer of yours.")
+        if shards:
             e.wait_params()
 
     def after(optimizer, args, kwargs) -> None:
         e = ref()
-        if e is not None and optimizer is not e.optimizer and e.shard_params is not None and \
-                any(e.shard_params.holds(p) for p in stepped_params(optimizer)):
+        if e is not None and optimizer is not e.optimizer and reached(e, optimizer)[1]:
             e.shards_stepped_outside()
 
     handles = [register_optimizer_step_pre_hook(before),
@@ -158,16 +163,13 @@ WRONG_PARAMS = (
 
 def refuse_module_conversions(engine: Any) -> None:
     """model.double(), model.to(dtype) on the wrapped model itself: refused as on the engine."""
-    ref = weakref.ref(engine)
     from zerolab.shell import refuse_conversion
 
-    def module_apply(module: nn.Module, fn, recurse: bool = True):
-        e = ref()
-        if e is not None and e.module is module:  # not a copy of it
-            refuse_conversion(e, fn)
+    def apply(e: Any, module: nn.Module, fn, recurse: bool = True) -> nn.Module:
+        refuse_conversion(e, fn)
         return nn.Module._apply(module, fn, recurse)
 
-    engine.module._apply = types.MethodType(module_apply, engine.module)
+    route(engine, engine.module, "_apply", apply)
 
 
 def hook_module_state(engine: Any) -> None:

@@ -58,8 +58,10 @@ class ShardParams:
         unset = [p.grad is None for p in trained]
         return all(unset) if all(unset) or not any(unset) else None
 
-    def holds(self, p: torch.Tensor) -> bool:
-        return any(p is q for q in self.params)
+    @property
+    def ids(self) -> set[int]:
+        """id() of each shard parameter: what an optimizer's param groups are checked against."""
+        return {id(p) for p in self.params}
 
 
 def _bucket_name(engine, slot: Slot) -> str:
