@@ -404,17 +404,23 @@ def read_activity(path: str) -> int | None:
     return struct.unpack_from("<q", head, _ACTIVITY_AT)[0]
 
 
-def completed_digests(path: str) -> dict[tuple[str, tuple[int, ...]], dict[int, int]] | None:
-    """(group name, its ranks) -> {call number: digest} of the completed collectives the file
-    at `path` holds; None if there is none. What the launcher compares at every poll: the slots
-    are unpacked in one pass and no Entry is built (a tenth of a millisecond for a full ring,
-    where `read` takes milliseconds)."""
+def _recorder_bytes(path: str) -> bytes | None:
+    """The file at `path`, if it holds a flight recorder (its header and magic); else None."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError:
         return None
-    if len(data) < HEADER.size or data[:8] != MAGIC:
+    return data if len(data) >= HEADER.size and data[:8] == MAGIC else None
+
+
+def completed_digests(path: str) -> dict[tuple[str, tuple[int, ...]], dict[int, int]] | None:
+    """(group name, its ranks) -> {call number: digest} of the completed collectives the file
+    at `path` holds; None if there is none. What the launcher compares at every poll: the slots
+    are unpacked in one pass and no Entry is built (a tenth of a millisecond for a full ring,
+    where `read` takes milliseconds)."""
+    data = _recorder_bytes(path)
+    if data is None:
         return None
     header = HEADER.unpack_from(data, 0)
     written, slots = header[5], header[9]
@@ -437,12 +443,8 @@ def completed_digests(path: str) -> dict[tuple[str, tuple[int, ...]], dict[int, 
 
 def read(path: str) -> FlightLog | None:
     """Everything the file at `path` holds; None if there is none (the rank never started)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
-        return None
-    if len(data) < HEADER.size or data[:8] != MAGIC:
+    data = _recorder_bytes(path)
+    if data is None:
         return None
     (_, rank, world_size, pid, main_thread, written, activity, blocked, phase,
      slots) = HEADER.unpack_from(data, 0)
