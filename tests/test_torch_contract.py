@@ -106,6 +106,19 @@ def test_gradients_are_reduced_when_backward_returns(habits):
         assert max_diff(r["backward returns"]["ddp"]["grads"], want) < FLOOR
 
 
+def test_grad_scaler_skips_together_or_refuses_under_zero(habits):
+    """An inf in every rank's shard: every rank skips the step and halves its scale, as
+    GradScaler does. An inf in one rank's shard only: the ranks' scales would part, refused."""
+    _, results = habits
+    for r in results:
+        everywhere, one = r["inf"]["everywhere"], r["inf"]["one element"]
+        assert everywhere["said"] == "" and everywhere["unchanged"]
+        assert everywhere["scale"] == 2.0 ** 9
+        assert one["said"].startswith("ZeRO2 with GradScaler: 1 of 2 ranks found inf or NaN "
+                                      "in their gradient shards"), one["said"]
+        assert "param_dtype=torch.bfloat16" in one["said"] and one["unchanged"]
+
+
 def test_an_optimizer_over_the_sharded_models_own_parameters_is_refused(habits):
     _, results = habits
     for r in results:
@@ -175,6 +188,21 @@ def test_a_closure_to_the_engines_optimizer_is_refused():
     model.loss(engine(x), y).backward()
     with pytest.raises(TypeError, match=r"DDP.optimizer.step\(closure\): .*LBFGS"):
         engine.optimizer.step(lambda: 0.0)
+
+
+def test_some_shard_gradients_set_to_none_is_refused():
+    """A user's zero_grad over engine.parameters() sets every .grad to None (that zeroes the
+    engine's gradients); setting some only has no meaning under ZeRO: refused at backward."""
+    model = models.GPT()
+    engine = zerolab.ZeRO2(model, torch.optim.AdamW, lr=1e-3, bucket_bytes=1 << 14)
+    shards = list(engine.parameters())
+    assert len(shards) > 1
+    x, y = model.make_batch(2)
+    model.loss(engine(x), y).backward()
+    shards[0].grad = None
+    with pytest.raises(RuntimeError, match=r"ZeRO2: some of engine.parameters\(\) have their "
+                                           r"\.grad set to None and others not"):
+        model.loss(engine(x), y).backward()
 
 
 def _trained(engine_cls, optimizer_cls, **kwargs):

@@ -118,6 +118,39 @@ def reference_grads() -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def scaler_with_inf(where: str) -> dict:
+    """ZeRO-2 with an enabled GradScaler and an inf in the gradients: `everywhere` (every
+    rank's shard holds one: every rank skips the step, as GradScaler would) or `one element`
+    of rank 0's (only the rank owning its shard finds it: refused, naming what to do)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    model = models.GPT()
+    engine = engines.make_engine("zero2", model, torch.optim.SGD, **SGD, bucket_bytes=1 << 14)
+    first = engine.buckets[0].params[0]  # its first element: offset 0 of bucket 0, shard 0
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()
+        if where == "everywhere":
+            grad.fill_(float("inf"))
+        elif rank == 0:
+            grad.view(-1)[0] = float("inf")
+        return grad
+
+    for p in (model.parameters() if where == "everywhere" else [first]):
+        p.register_hook(poison)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    before = engine.full_state_dict()
+    x, y = batch(model, 0, rank, world_size)
+    scaler.scale(model.loss(engine(x), y)).backward()
+    try:
+        scaler.step(engine.optimizer)
+        scaler.update()
+        said = ""
+    except RuntimeError as e:
+        said = str(e)
+    return {"said": said, "unchanged": harness.max_diff(engine.full_state_dict(), before) == 0,
+            "scale": scaler.get_scale()}
+
+
 HABITS = ("own optimizer", "grad scaler")
 
 
@@ -127,4 +160,5 @@ def run_all() -> dict:
     out["refused"] = {key: raw_params_refused(key) for key in ENGINES}
     out["numel"] = {key: shard_numel(key) for key in ENGINES}
     out["backward returns"] = {key: when_backward_returns(key) for key in ENGINES}
+    out["inf"] = {where: scaler_with_inf(where) for where in ("everywhere", "one element")}
     return out
