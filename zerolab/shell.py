@@ -61,8 +61,6 @@ from zerolab.parts.storages import model_state_bytes
 from zerolab.parts.tiles import OptimizerTiles, default_tile_numel
 from zerolab.sharding import Bucket, Slot
 
-CONVERSIONS = ("to", "double", "float", "half", "bfloat16", "cuda", "cpu", "type")
-
 
 class EngineShell(nn.Module):
     """torch's contract on every engine; the stage (ddp.py and its subclasses) fills in the
