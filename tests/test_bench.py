@@ -16,7 +16,6 @@ import random
 import statistics
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ from zerolab import bench, engines, theory
 from zerolab.bench import config as bench_config
 from zerolab.bench import profile as bench_profile
 from zerolab.bench import report as bench_report
+from zerolab.bench import runner as bench_runner
 from zerolab.launcher import progress
 from zerolab.models import GPT, num_params
 
@@ -380,19 +380,24 @@ def test_config_is_checked():
         bench_config.BenchConfig(global_batch=3).check()
 
 
-def test_profile_lists_each_engines_operators_by_self_time():
+def test_profile_lists_each_engines_operators_by_self_time(monkeypatch, capsys):
     """--profile: per engine, rank 0's operators per step, largest first, summing to the
     total; the same model's forward and backward run the same matrix products in zerolab's DDP
-    and torch's, and DDP's all-reduces show (one per bucket), above the floor's operators."""
-    proc = subprocess.run([sys.executable, "-m", "zerolab.bench", "--profile", "--quick",
-                           "--engines", "ddp,torch_ddp"], capture_output=True, text=True,
-                          env=subprocess_env(), cwd=REPO, timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    config = replace(bench_config.BenchConfig(**bench_config.QUICK),
-                     engines=("ddp", "torch_ddp"))
-    profiles = {p.key: p for p in bench_profile.run_profile(config)}
+    and torch's, and DDP's all-reduces show (one per bucket), above the floor's operators.
+    The command runs once, here: its profiles are kept as it prints them."""
+    ran = []
+
+    def kept(config):
+        ran.append(bench_profile.run_profile(config))
+        return ran[-1]
+
+    monkeypatch.setattr(bench_runner, "run_profile", kept)
+    assert bench_runner.main(["--profile", "--quick", "--engines", "ddp,torch_ddp"]) == 0
+    stdout = capsys.readouterr().out
+    profiles = {p.key: p for p in ran[0]}
+    assert set(profiles) == {"ddp", "torch_ddp"}
     for key, p in profiles.items():
-        heads = [li for li in proc.stdout.splitlines() if li.startswith(f"{key}: ")]
+        heads = [li for li in stdout.splitlines() if li.startswith(f"{key}: ")]
         assert len(heads) == 1 and "ms of operator self time per step" in heads[0]
         times = [op.self_ms for op in p.ops]
         assert times == sorted(times, reverse=True)
@@ -402,7 +407,7 @@ def test_profile_lists_each_engines_operators_by_self_time():
     assert calls["ddp"]["c10d::allreduce_"] >= 1
     # The floor, profiled in alternation with each engine: the same products, no collective;
     # above it, only what the engine runs more often (its all-reduce, its optimizer step).
-    assert proc.stdout.count("above the floor (forward and backward alone") == 2
+    assert stdout.count("above the floor (forward and backward alone") == 2
     for key, p in profiles.items():
         floor = {op.name: op.calls for op in p.floor.ops}
         assert floor["aten::mm"] == calls[key]["aten::mm"] and "c10d::allreduce_" not in floor

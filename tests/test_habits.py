@@ -62,6 +62,8 @@ def test_every_zeroing_spelling_trains_as_torch(runs, references):
             _close(r["engines"][habit, key]["state"], references[habit]["state"], tol,
                    f"{key} {habit} N={n} rank {rank}")
     assert {k for h, k in _cases(results, ["model.zero_grad"])} == set(H.ENGINES)
+    ran = {h for h, _ in _cases(results, H.ZEROING)}
+    assert ran == set(H.ZEROING if n % 2 else H.ZEROING_AT_EVERY_SIZE), ran
 
 
 def test_gradients_never_zeroed_are_said_to_add_up(runs):

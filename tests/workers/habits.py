@@ -341,10 +341,18 @@ def copies(key: str) -> dict:
 
 # ---- everything, one launch --------------------------------------------------------------------
 
+# The zeroing spellings differ from one another in who zeroes what, not in how many ranks
+# share a bucket: the odd world size (uneven shards, padding) runs them all, the even one these.
+ZEROING_AT_EVERY_SIZE = ("engine.zero_grad", "model.zero_grad", "p.grad = None")
+
+
 def habits() -> dict:
     out: dict = {"engines": {}, "torch_ddp": {}, "state_dicts": {}, "engine_state": {},
                  "prefetch": {}}
+    odd = dist.get_world_size() % 2 == 1
     for habit in HABITS:
+        if habit in ZEROING and habit not in ZEROING_AT_EVERY_SIZE and not odd:
+            continue
         out["torch_ddp"][habit] = run_torch_ddp(habit)
         for key in ENGINES:
             if habit == "read after step" and key in SHARDED_PARAMS:
