@@ -66,3 +66,28 @@ def test_each_axis_carries_its_formula(runs):
             for axis in ("tp", "dp"):  # the wire adds message headers, never less
                 want = expected[axis][phase]
                 assert want <= measured[axis] <= want * 1.04 + 2048, (run.rank, phase, axis)
+
+
+def test_the_predictions_formulas_score_right_and_misses_wrong(runs):
+    from zerolab.lessons.predictions import PREDICTIONS
+
+    r0 = runs[0]
+    formula = lesson.formula(r0.local_numel)
+    tp_step = sum(formula["tp"].values())  # 16 all-reduces of 4·b·s·h bytes, at n = 2
+    p1 = PREDICTIONS["12.p1"]
+    assert p1.score(tp_step, r0.step_bytes()["tp"]).ok
+    assert not p1.score(tp_step / 2, r0.step_bytes()["tp"]).ok  # forward only
+    per_seq = sum(lesson.formula(r0.local_numel, seqs=1)["tp"].values())
+    dp_step = sum(formula["dp"].values())
+    measured = lesson.crossover_seqs({lesson.SEQS: r0.step_bytes()["tp"],
+                                      lesson.SEQS_LARGER: r0.axis(r0.sent_larger)["tp"]},
+                                     r0.step_bytes()["dp"])
+    p2 = PREDICTIONS["12.p2"]
+    assert p2.score(int(dp_step // per_seq) + 1, measured).ok
+    ring = sum(lesson.formula(r0.local_numel, reduce_scatter_factor=1)["dp"].values())
+    assert not p2.score(int(ring // per_seq) + 1, measured).ok  # gloo's reduce-scatter missed
+
+
+def test_a_prediction_without_a_measurement_here_is_refused():
+    with pytest.raises(ValueError, match="no measurement for prediction '09.p1' here"):
+        lesson.measured_for("09.p1")
