@@ -182,15 +182,14 @@ def mesh_lesson() -> MeshRun:
                    losses, full)
 
 
-def reference(steps: int = STEPS, config: GPTConfig = MODEL) -> tuple[list[float],
-                                                                      dict[str, torch.Tensor]]:
+def reference(steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the whole model, the same global batches and SGD: the loss at each step
     (on the whole global batch) and the weights after `steps` steps."""
-    model = GPT(config)
+    model = GPT(MODEL)
     optimizer = torch.optim.SGD(model.parameters(), **SGD)
     losses = []
     for step in range(steps):
-        x, y = global_batch(step)  # MODEL's batches (config: MODEL's shape)
+        x, y = global_batch(step)
         loss = GPT.loss(model(x), y)
         loss.backward()
         optimizer.step()
