@@ -115,6 +115,11 @@ CAUGHT = {
     "9.3-int8": (None, 'result', 'the dtype lost'),
     "9.3-not-cut": (None, 'raised RuntimeError', 'the scales repeated past the last element'),
     "9.3-tiled": (None, 'result', 'the scales tiled, not repeated element by element'),
+    "12.1-all-gather": (1, 'comm ops', 'an all-gather where an all-reduce belongs'),
+    "12.1-bias-before-sum": (2, 'result', 'out_bias added on every rank before the sum'),
+    "12.1-no-all-reduce": (1, 'comm ops', "no all-reduce: one rank's partial sum"),
+    "12.1-row-then-column": (2, 'result', 'row-parallel first: GELU of a partial sum'),
+    "12.1-sum-before-gelu": (2, 'result', "the all-reduce before GELU, on fc's outputs"),
 }
 
 

@@ -20,7 +20,7 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 EXPECTED = ["00_launch", "01_ddp", "01b_memory", "02_collectives", "03_zero1", "04_zero2",
             "05_zero3", "06_fsdp2", "07_scaling", "08_activations", "09_past_one_node",
-            "10_bytes_to_seconds"]
+            "10_bytes_to_seconds", "12_meshes_and_scale"]
 IGNORE_MARKERS = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")
 
 
@@ -205,6 +205,7 @@ LESSON_SOURCES = {
     "09": ("hsdp.py", "zeropp.py", "zero3.py", "checkpoint.py", "parts/mesh.py",
            "parts/materialize.py"),
     "10": ("cost.py",),
+    "12": ("tp.py",),
 }
 ANSWERS = {  # object -> the exercise whose answer it is
     "zerolab.theory.model_state_memory": "1.1",

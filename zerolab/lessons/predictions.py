@@ -128,6 +128,8 @@ class PredictionExercise:
 _MEASURED = "zerolab.lessons.measured:measured_for"  # notebooks 01 to 09: ids "NN.pK"
 _10 = "10_bytes_to_seconds"
 _MEASURE = "zerolab.lessons.n10_time:measured_for"
+_12 = "12_meshes_and_scale"
+_MEASURE_12 = "zerolab.lessons.n12_meshes:measured_for"
 PREDICTIONS = {p.id: p for p in (
     PredictionExercise(
         "01.p1", "01_ddp", "predicted_all_reduced_bytes",
@@ -185,4 +187,14 @@ PREDICTIONS = {p.id: p for p in (
         "10.4", _10, "predicted_zero3_step_s",
         "Seconds of one ZeRO-3 step at N = 2: compute alone plus its communication, if none "
         "of it hides", "seconds", measure=_MEASURE),
+    PredictionExercise(
+        "12.p1", _12, "predicted_tp_peer_bytes",
+        "Bytes rank 0 sends to its tensor-parallel peer in one step of the 2x2 run (4 sequences "
+        "per data-parallel rank), as its socket counters count them, to the nearest 32 KiB",
+        "bytes", rounding=32768, measure=_MEASURE_12),
+    PredictionExercise(
+        "12.p2", _12, "predicted_crossover_seqs",
+        "The fewest sequences (of 16 tokens) per data-parallel rank at which rank 0 sends more "
+        "bytes to its tensor-parallel peer than to its data-parallel peer in one step",
+        "count", measure=_MEASURE_12),
 )}

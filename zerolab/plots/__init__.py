@@ -41,6 +41,7 @@ from zerolab.plots.base import (
 from zerolab.plots.comm import bytes_per_rank, timeline, unit_name
 from zerolab.plots.holdings import holdings_by_stage, holdings_over_step
 from zerolab.plots.memory import memory_bars, memory_timeline, memory_vs_world_size
+from zerolab.plots.meshes import axis_bytes
 from zerolab.plots.nodes import grouped_bytes, loss_curves
 from zerolab.plots.schematics import (
     ddp_buckets,
@@ -58,6 +59,7 @@ __all__ = [
     "UNIT_CONVENTION",
     "CourseFigure",
     "activations",
+    "axis_bytes",
     "byte_label",
     "bytes_per_rank",
     "ddp_buckets",
