@@ -92,12 +92,17 @@ class BreakEven:
         return self.workload.tokens_per_gpu / self.workload.rate
 
 
-def break_even(rate: float, bandwidth: float,
-               workloads: tuple[Workload, ...] = WORKLOADS) -> list[BreakEven]:
-    """For each workload: the CPU's step, the link's transfer, and T* = τ·max(Ψ/r, 2Ψ/B)."""
+def pcie_of(w: Workload) -> float:
+    """The PCIe link of the workload's GPU, bytes per second each way."""
+    return PCIE["PCIe Gen4 x16 (A100)" if w.cluster.name.startswith("A100")
+                else "PCIe Gen5 x16 (H100)"][0]
+
+
+def break_even(rate: float, workloads: tuple[Workload, ...] = WORKLOADS) -> list[BreakEven]:
+    """For each workload: the CPU's step, its GPU's PCIe transfer, and T* = τ·max(Ψ/r, 2Ψ/B)."""
     out = []
     for w in workloads:
-        cpu, link = w.params / rate, 2 * w.params / bandwidth
+        cpu, link = w.params / rate, 2 * w.params / pcie_of(w)
         out.append(BreakEven(w, cpu, link, w.rate * max(cpu, link)))
     return out
 
