@@ -10,6 +10,7 @@ import torch
 from workers import lowbit as W
 
 import zerolab
+from zerolab.lessons import n11_offload as offload
 from zerolab.lessons import n11_precision as lesson
 from zerolab.lessons.predictions import PREDICTIONS
 from zerolab.lowbit import LowBitZeRO3
@@ -187,3 +188,30 @@ def test_prediction_11_p1_is_the_formula(runs):
     formula = sum(u.padded * (1 if u.root else 2) for u in units) / 2  # (N-1)/N·1 B·P, fwd+bwd
     assert p1.score(formula, measured).ok
     assert not p1.score(formula + sum(u.padded for u in units if u.root) / 2, measured).ok
+
+
+# ---- section 3: offload's arithmetic (one process) ---------------------------------------------
+
+
+def test_every_adamw_way_steps_and_the_fused_one_is_timed():
+    seconds = offload.throughput(numel=1 << 12, repeats=1)
+    assert list(seconds) == list(offload.WAYS)
+    assert all(isinstance(s, float) and s > 0 for s in seconds.values()), seconds
+    with pytest.raises(KeyError):
+        offload.adamw_seconds("AdamW, by hand", numel=8)
+
+
+def test_break_even_is_the_slower_of_the_cpu_and_the_link():
+    w = offload.WORKLOADS[1]  # 7B on H100s: PCIe Gen5
+    (slow,) = offload.break_even(1e9, (w,))  # a CPU step of Ψ / 1e9 s, longer than PCIe's
+    assert slow.cpu_step == pytest.approx(w.params / 1e9)
+    assert slow.pcie == pytest.approx(2 * w.params / 64e9)
+    assert slow.tokens == pytest.approx(w.rate * slow.cpu_step)
+    (fast,) = offload.break_even(1e12, (w,))  # a CPU this fast waits on the link instead
+    assert fast.tokens == pytest.approx(w.rate * fast.pcie)
+    assert offload.pcie_of(offload.WORKLOADS[0]) == 32e9  # the A100 run: Gen4
+
+
+def test_an_unknown_prediction_is_refused_before_any_launch():
+    with pytest.raises(ValueError, match="no measurement for prediction '11.p9'"):
+        lesson.measured_for("11.p9")

@@ -357,6 +357,8 @@ def _measure_prediction(id: str) -> float:
 
 def measured_for(id: str) -> float:
     """The measurement prediction `id` ("11.p1" ... "11.p3") is scored against."""
+    if id not in ("11.p1", "11.p2", "11.p3"):
+        raise ValueError(f"no measurement for prediction {id!r}; notebook 11 has 11.p1 to 11.p3")
     if id == "11.p3":  # one process, no ranks: AdamW's step on this CPU
         from zerolab.lessons import n11_offload
 
