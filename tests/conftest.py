@@ -70,8 +70,9 @@ SHARED = {"test_lesson_n00_launch": "lessons_00_03", "test_lesson_n01_memory": "
           "test_lesson_n06_fsdp2": "lessons_04_07", "test_lesson_n07_scaling": "lessons_04_07",
           "test_hsdp": "nodes", "test_peers": "nodes", "test_zeropp": "nodes"}
 LONGEST_FIRST = ["test_grading", "10_bytes_to_seconds", "test_grading_engines", "test_habits",
-                 "09_past_one_node", "test_grading_adversarial", "06_fsdp2", "test_grading_wrong",
-                 "test_engines", "test_bench", "lessons_00_03", "lessons_04_07", "nodes"]
+                 "09_past_one_node", "11_precision_and_optimizers", "test_grading_adversarial",
+                 "06_fsdp2", "test_grading_wrong", "test_engines", "test_bench", "lessons_00_03",
+                 "lessons_04_07", "nodes"]
 
 
 def _group(path: str) -> str:

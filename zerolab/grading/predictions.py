@@ -142,7 +142,7 @@ class Graded:
 
     def line(self) -> str:
         p = self.prediction
-        return f"  {p.id:<7}{p.notebook:<21}{p.name:<31}{self.status}: {self.message}"
+        return f"  {p.id:<7}{p.notebook:<28}{p.name:<31}{self.status}: {self.message}"
 
 
 def measure(p: PredictionExercise) -> float:

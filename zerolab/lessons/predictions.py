@@ -128,6 +128,8 @@ class PredictionExercise:
 _MEASURED = "zerolab.lessons.measured:measured_for"  # notebooks 01 to 09: ids "NN.pK"
 _10 = "10_bytes_to_seconds"
 _MEASURE = "zerolab.lessons.n10_time:measured_for"
+_11 = "11_precision_and_optimizers"
+_MEASURE_11 = "zerolab.lessons.n11_precision:measured_for"
 _12 = "12_meshes_and_scale"
 _MEASURE_12 = "zerolab.lessons.n12_meshes:measured_for"
 PREDICTIONS = {p.id: p for p in (
@@ -187,6 +189,20 @@ PREDICTIONS = {p.id: p for p in (
         "10.4", _10, "predicted_zero3_step_s",
         "Seconds of one ZeRO-3 step at N = 2: compute alone plus its communication, if none "
         "of it hides", "seconds", measure=_MEASURE),
+    PredictionExercise(
+        "11.p1", _11, "predicted_float8_gather_bytes",
+        "Bytes rank 0 sends, in the ring model, in the float8 codes' all-gathers (forward and "
+        "backward, not the scales) of one ZeRO-3 step, a scale per tensor, N = 2, to the nearest "
+        "KiB", "bytes", rounding=1024, measure=_MEASURE_11),
+    PredictionExercise(
+        "11.p2", _11, "predicted_grads_before_last",
+        "Gradient bytes rank 0 holds (model_state_bytes()['grads']) just before the last of 4 "
+        "micro-batches when only the last reduces, ZeRO-3, N = 2, to the nearest KiB", "bytes",
+        rounding=1024, measure=_MEASURE_11),
+    PredictionExercise(
+        "11.p3", _11, "predicted_fused_adamw_s",
+        "Seconds of one step of torch.optim.AdamW(fused=True) over one flat fp32 tensor of "
+        "2^23 parameters on this machine's CPU, one process", "seconds", measure=_MEASURE_11),
     PredictionExercise(
         "12.p1", _12, "predicted_tp_peer_bytes",
         "Bytes rank 0 sends to its tensor-parallel peer in one step of the 2x2 run (4 sequences "
