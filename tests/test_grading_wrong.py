@@ -115,6 +115,10 @@ CAUGHT = {
     "9.3-int8": (None, 'result', 'the dtype lost'),
     "9.3-not-cut": (None, 'raised RuntimeError', 'the scales repeated past the last element'),
     "9.3-tiled": (None, 'result', 'the scales tiled, not repeated element by element'),
+    "11.1-everyone-gathers": (3, 'bytes sent', 'every rank gathers the whole gradient'),
+    "11.1-shard-alone": (1, 'result', 'each shard orthogonalised alone, never gathered'),
+    "11.1-transposed": (1, 'result', 'the gradient read as (cols, rows): a transpose'),
+    "11.1-whole-update": (2, 'bytes sent', 'the whole update sent back to every rank'),
 }
 
 
