@@ -308,7 +308,8 @@ class Handle:
 
 
 def _open_events(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
-                 plan: backends.Plan, src: int) -> list[tuple[_Recording, _Open]]:
+                 plan: backends.Plan, src: int,
+                 sent: int | None = None) -> list[tuple[_Recording, _Open]]:
     """At issue: open one event in every active log (inside `_inside_zerolab`, whose first
     boundary has just closed the interval before the issue)."""
     if not _active:
@@ -316,7 +317,7 @@ def _open_events(op: str, tag: str, tensor: torch.Tensor | None, group, async_op
     nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
     dtype = "" if tensor is None else str(tensor.dtype).removeprefix("torch.")
     rank, world_size = _rank_and_size(group)
-    ring = theory.rank_sent_bytes(op, nbytes, world_size, rank, src)
+    ring = theory.rank_sent_bytes(op, nbytes, world_size, rank, src) if sent is None else sent
     wire_start = 0 if backends.writes_through_os(group) else None
     ranks = _group_ranks(group)
     opened = []
@@ -341,14 +342,14 @@ def _close_events(opened: list[tuple[_Recording, _Open]]) -> None:
 
 def _issue(op: str, tag: str, tensor: torch.Tensor | None, group, async_op: bool,
            plan: backends.Plan, then: Callable[[], object] | None = None, src: int = 0,
-           peer: int = -1, reduce_op: str = "") -> Handle:
+           peer: int = -1, reduce_op: str = "", sent: int | None = None) -> Handle:
     # The flight recorder's entry: a numbered collective, or a send/recv to or from `peer`,
     # with what the ranks must agree on (the reduce op as the caller named it: "avg" too).
     flown = flight.issue(op, tag, tensor, group, async_op, peer=src if op == "broadcast" else peer,
                          kind=flight.P2P if peer >= 0 else flight.COLLECTIVE,
-                         reduce_op=reduce_op)
+                         reduce_op=reduce_op, comparable=sent is None)
     with _inside_zerolab(), flight.calling(flown, blocking=not async_op):
-        opened = _open_events(op, tag, tensor, group, async_op, plan, src)
+        opened = _open_events(op, tag, tensor, group, async_op, plan, src, sent)
         work = plan.call()
 
     def finish() -> None:
@@ -409,15 +410,25 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, tag: str,
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, *, tag: str,
-               group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle:
+               group: dist.ProcessGroup | None = None, async_op: bool = False,
+               output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None) -> Handle:
     """input, output: (world_size, ...) or (world_size * k,), the same size on every rank: chunk
     j of this rank's input lands in chunk r of rank j's output (r: this rank). An all-gather
     sends every rank the same chunk; an all-to-all sends each rank its own one.
 
     S (nbytes) is the input's bytes; each rank sends every chunk but its own: (N-1)/N·S.
+    With split sizes (1-D tensors, chunks of uneven lengths, torch's all_to_all_single): chunk
+    j of input is input_split_sizes[j] elements, chunk i of output output_split_sizes[i]; the
+    event's ring_bytes are then exactly the bytes of the chunks that leave this rank.
     """
-    plan = backends.all_to_all(output, input, group, async_op)
-    return _issue("all_to_all", tag, input, group, async_op, plan)
+    sent = None
+    if input_split_sizes is not None:
+        rank = _rank_and_size(group)[0]
+        sent = (sum(input_split_sizes) - input_split_sizes[rank]) * input.element_size()
+    plan = backends.all_to_all(output, input, group, async_op, output_split_sizes,
+                               input_split_sizes)
+    return _issue("all_to_all", tag, input, group, async_op, plan, sent=sent)
 
 
 def broadcast(tensor: torch.Tensor, src: int, *, tag: str,

@@ -32,6 +32,7 @@ from zerolab.zero3 import ZeRO3
 
 class HSDP(ZeRO3):
     name = "hsdp"
+    steps_whole_params = False  # matrix optimizers: refused (untested here: ZeRO-1/2/3 take them)
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
                  shard_size: int, group: dist.ProcessGroup | None = None, **kwargs):

@@ -59,6 +59,7 @@ from zerolab.parts.shard_params import ShardParams
 from zerolab.parts.state_dicts import load_engine_state_dict
 from zerolab.parts.storages import model_state_bytes
 from zerolab.parts.tiles import OptimizerTiles, default_tile_numel
+from zerolab.parts.whole_params import WholeParams, refuse_group_optimizers
 from zerolab.sharding import Bucket, Slot
 
 
@@ -69,6 +70,8 @@ class EngineShell(nn.Module):
 
     shards_params = False  # ZeRO-1/2/3: parameters() gives this rank's shards (DTensors)
     grads_in_buckets = True  # every .grad is a view into its bucket's flat_grad (not ZeRO-2/3)
+    params_whole_at_rest = True  # every rank holds every parameter between steps (not ZeRO-3)
+    steps_whole_params = True  # ZeRO-1/2/3: a matrix optimizer steps parameters whole (below)
     Options: type = object  # the stage's own options, a frozen dataclass (ddp.DDPOptions)
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
@@ -82,7 +85,8 @@ class EngineShell(nn.Module):
         self.options = self.Options(**{k: kwargs.pop(k) for k in list(kwargs) if k in stage})
         optimizer_kwargs = kwargs  # the rest: lr=..., betas=..., for the optimizer
         check_engine_arguments(model, optimizer_cls, optimizer_kwargs)
-        check_optimizer(optimizer_cls, type(self).__name__, self.shards_params)
+        check_optimizer(optimizer_cls, type(self).__name__,
+                        self.shards_params and not self.steps_whole_params)
         # The context every hook reads: what to train, over which ranks, where.
         self.groups = ParamGroups.of(model, param_groups)  # which parameters share a bucket
         self.module = model  # registered: engine.train()/eval() reach it
@@ -107,14 +111,21 @@ class EngineShell(nn.Module):
         self.slots = self._slots()  # what this rank holds and steps, by parameter run
         self.masters = self.precision.masters(self.slots, fp32_values, self.rank)
         # The optimizer steps the masters in cache-sized tiles on a CPU (tiles.py): same result,
-        # for an elementwise optimizer; any other steps whole tensors (parts/arguments.py).
+        # for an elementwise optimizer; any other steps whole tensors (parts/arguments.py), and
+        # on the sharded stages each parameter whole on one rank (parts/whole_params.py).
         if optimizer_tile_numel == "auto":
             optimizer_tile_numel = default_tile_numel(self.device)
         if not elementwise(optimizer_cls):
             optimizer_tile_numel = None
         self.tiles = OptimizerTiles(self.masters, optimizer_tile_numel)
-        self.optimizer = optimizer_cls(self.groups.optimizer_params(self.slots, self.tiles),
-                                       **optimizer_kwargs)
+        self.whole: WholeParams | None = None
+        if self.shards_params and not elementwise(optimizer_cls):
+            self.whole = WholeParams(self, optimizer_cls, optimizer_kwargs)
+            self.optimizer = self.whole.optimizer
+        else:
+            refuse_group_optimizers(self.groups, type(self).__name__)
+            self.optimizer = optimizer_cls(self.groups.optimizer_params(self.slots, self.tiles),
+                                           **optimizer_kwargs)
         self.tiles.attach(self.optimizer, keep_grads=param_dtype is None)
         if self.shards_params:  # GradScaler hands its found_inf to step(): _scaler_allows_step
             self.optimizer._step_supports_amp_scaling = True
@@ -204,7 +215,7 @@ class EngineShell(nn.Module):
                       if k in self.optimizer.__dict__}
             self.stepping = True
             try:
-                self.precision.step(self.optimizer, pairs)
+                (self.whole or self.precision).step(self.optimizer, pairs)
             finally:
                 self.stepping = False
                 self.optimizer.__dict__.update(scaler)

@@ -26,10 +26,12 @@ What changes from DDP (ddp.py):
 shard of it, then all-gather the parameters (Ψ): 3Ψ, half as much again (1.5x) for the same
 result.
 
-Note: the optimizer steps on a flat shard, so it must be elementwise (SGD, Adam, AdamW, ...):
-Adam's update of an element depends only on that element's gradient history, so updating a
-slice of a flat buffer equals updating each parameter. Parameter groups (param_groups.py) keep
-each group, and each dtype, in buckets of their own: a shard is stepped with one group's options.
+Note: the optimizer steps on a flat shard, which is right for an elementwise one (SGD, Adam,
+AdamW, ...): Adam's update of an element depends only on that element's gradient history, so
+updating a slice of a flat buffer equals updating each parameter. A matrix optimizer
+(Adafactor, Muon) steps each parameter whole on one rank instead (parts/whole_params.py).
+Parameter groups (param_groups.py) keep each group, and each dtype, in buckets of their own: a
+shard is stepped with one group's options.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class ZeRO3(ZeRO2):
     name = "zero3"
     Options = ZeRO3Options
     keeps_root = True  # the root stays gathered from forward to backward (FSDP2's does)
+    params_whole_at_rest = False  # shards only: a whole-parameter step gathers values too
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],
                  **kwargs: Any):

@@ -77,6 +77,7 @@ class ZeroPP(ZeRO3):
     the node) and/or qgZ (quantised gradients, reduced inside then across nodes)."""
 
     name = "zeropp"
+    steps_whole_params = False  # matrix optimizers: refused (untested here: ZeRO-1/2/3 take them)
     Options = ZeroPPOptions
 
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer],

@@ -38,8 +38,9 @@ def check_engine_arguments(model: nn.Module, optimizer_cls: object,
 # flat buffer, a ZeRO shard or a CPU tile (tiles.py), equals stepping each parameter whole. A
 # matrix optimizer does not: Adafactor keeps a row and a column moment per matrix, Muon
 # orthogonalises each matrix's update. Cut into 1-D pieces, they would train a different model
-# without a word, so the sharded stages refuse them by name, and DDP steps them on whole
-# parameters (no tiles). LBFGS re-evaluates the loss through a closure inside its step: refused.
+# without a word, so DDP steps them on whole parameters (no tiles), and ZeRO-1/2/3 step each
+# parameter whole on one owner rank (whole_params.py); the engines that do not (HSDP, ZeroPP)
+# refuse them by name. LBFGS re-evaluates the loss through a closure inside its step: refused.
 ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop",
     "Rprop", "ASGD") if hasattr(torch.optim, name))
@@ -52,7 +53,8 @@ def elementwise(optimizer_cls: type[torch.optim.Optimizer]) -> bool:
 
 def check_optimizer(optimizer_cls: type[torch.optim.Optimizer], engine: str,
                     shards: bool) -> None:
-    """Refuse, by name, an optimizer the engine cannot step as torch would."""
+    """Refuse, by name, an optimizer the engine cannot step as torch would (shards: the engine
+    steps flat shards and cannot step parameters whole)."""
     name = optimizer_cls.__name__
     if issubclass(optimizer_cls, torch.optim.LBFGS):
         raise TypeError(f"{engine} cannot run {name}: it calls a closure that re-evaluates "
@@ -66,7 +68,8 @@ def check_optimizer(optimizer_cls: type[torch.optim.Optimizer], engine: str,
             f"{engine} steps flat 1-D shards that cut parameters apart, so it runs only "
             f"elementwise optimizers ({', '.join(c.__name__ for c in ELEMENTWISE)}); {name} "
             f"is not one of them (a matrix optimizer such as Adafactor or Muon needs each "
-            f"matrix whole). Use zerolab.DDP, which steps whole parameters, for {name}.")
+            f"matrix whole). Use zerolab.ZeRO1, ZeRO2 or ZeRO3 (each parameter stepped whole "
+            f"by one rank) or zerolab.DDP for {name}.")
 
 
 ZEROPP_OPTIONS = {"quantize_weights", "secondary_shard_size", "quantize_grads", "node_size"}

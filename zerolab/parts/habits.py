@@ -31,6 +31,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from zerolab.parts.arguments import elementwise
 from zerolab.sharding import shard
 
 # Note: zeroing gradients, three spellings. torch users zero through the model
@@ -136,6 +137,9 @@ def guard_user_optimizers(engine: Any) -> None:
             e._sync_if_backward()  # gradients reduced before anyone steps on them
         if model and e.shards_params:
             raise RuntimeError(WRONG_PARAMS.format(type(e).__name__))
+        if shards and not elementwise(type(optimizer)):
+            raise TypeError(OWN_MATRIX_OPTIMIZER.format(type(e).__name__,
+                                                        type(optimizer).__name__))
         if shards and e.precision.param_dtype is not None:
             raise RuntimeError(f"{type(e).__name__}(param_dtype=...): the engine's optimizer "
                                "steps fp32 masters of the 16-bit shards; step it "
@@ -159,6 +163,14 @@ WRONG_PARAMS = (
     "each rank differently. Step the engine's optimizer (engine.optimizer.step(), or "
     "scaler.step(engine.optimizer)), or build yours over the engine's parameters, this rank's "
     "shards: torch.optim.AdamW(engine.parameters(), ...), as with FSDP2.")
+
+
+OWN_MATRIX_OPTIMIZER = (
+    "{1} over {0}'s engine.parameters() steps this rank's flat 1-D shards, which cut the "
+    "matrices apart: a matrix optimizer's moments or orthogonalised update would differ from "
+    "one process's without a word. Let the engine build it, stepping each parameter whole on "
+    "one rank: zerolab.{0}(model, torch.optim.{1}, lr=...) (parts/whole_params.py). (torch's "
+    "Muon refuses 1-D shards itself, when it is built.)")
 
 
 def refuse_module_conversions(engine: Any) -> None:

@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from zerolab.parts.whole_params import refuse_optimizer_state
 from zerolab.sharding import Slot
 
 MODEL, OPTIMIZER = "model", "optimizer"  # the top-level keys (torchtitan's)
@@ -162,6 +163,7 @@ def engine_state_dict(engine) -> dict:
     """This rank's part of the engine's model and optimizer, as Chunks of the full tensors
     (views of the masters; the optimizer state joined from its tiles), plain tensors (buffers,
     Adam's step) and the param groups. Collective-free; call engine.wait_params() first."""
+    refuse_optimizer_state(engine)  # a whole-parameter step's state (parts/whole_params.py)
     keys, buffers = state_dict_keys(engine.module)
     names_of: dict[nn.Parameter, list[str]] = {}
     for key, p in keys.items():
@@ -416,6 +418,8 @@ def finish_load(engine, loaded: Targets) -> None:
     """After the targets are filled: the optimizer state into the optimizer's tiles, the
     options into its param groups, each stepped tensor from its master where they differ."""
     state = loaded.sd.get(OPTIMIZER, {}).get("state", {})
+    if state:
+        refuse_optimizer_state(engine)  # a whole-parameter step's state (parts/whole_params.py)
     first_name = {p: n for n, p in engine.module.named_parameters()}
     for slot, master, joined in zip(engine.slots, engine.masters, loaded.optimizer_state):
         if not joined:

@@ -88,13 +88,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGro
 
 
 def all_to_all(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,
-               async_op: bool) -> Plan:
+               async_op: bool, output_split_sizes: list[int] | None = None,
+               input_split_sizes: list[int] | None = None) -> Plan:
     """input, output: (world_size, ...) or (world_size * k,), contiguous; chunk j of input goes
-    to rank j, chunk i of output comes from rank i."""
+    to rank j, chunk i of output comes from rank i (of the split sizes' lengths, if given)."""
     if not dist.is_initialized():
         return Plan(LOCAL, 1.0, lambda: _copy_locally(output, input))
     return Plan(f"all_to_all ({dist.get_backend(group)})", 1.0,
-                lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op))
+                lambda: dist.all_to_all_single(output, input, output_split_sizes,
+                                               input_split_sizes, group=group,
+                                               async_op=async_op))
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, red: dist.ReduceOp,

@@ -358,13 +358,14 @@ def recorder() -> FlightRecorder | None:
 
 
 def issue(op: str, tag: str, tensors: Any, group: Any, async_op: bool, *, kind: int = COLLECTIVE,
-          peer: int = -1, reduce_op: str = "") -> int:
-    """zerolab.comm's call: record one of its collectives; -1 when no recorder is installed."""
+          peer: int = -1, reduce_op: str = "", comparable: bool = True) -> int:
+    """zerolab.comm's call: record one of its collectives; -1 when no recorder is installed.
+    comparable=False: its size differs across ranks by design (an uneven all-to-all)."""
     rec = _recorder
     if rec is None:
         return -1
     return rec.issue(op, tensors, group, async_op, tag=tag, kind=kind, peer=peer,
-                     reduce_op=reduce_op)
+                     reduce_op=reduce_op, comparable=comparable)
 
 
 def calling(pos: int, blocking: bool) -> contextlib.AbstractContextManager:

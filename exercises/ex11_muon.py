@@ -1,0 +1,52 @@
+"""Exercises for notebook 11: a matrix optimizer on flat shards.
+
+The function runs on every rank at once (the grader spawns world_size processes and calls it
+on each, with the same `group`). Talk to the other ranks only through zerolab.comm, which
+records every call with a tag: the grader compares what you send with the fewest bytes the
+job needs. Ranks are the global ranks: the grader's group holds every rank, in order.
+
+Check your answers with `grade("ex11")` in the notebook, or `python -m zerolab.grade ex11`.
+"""
+
+# Write your code in place of each `raise NotImplementedError(...)`. This file is generated
+# from solutions/ by `python -m zerolab.grade --make-exercises`; the imports are the ones the
+# solution uses, kept for you.
+# ruff: noqa: F401
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from zerolab import comm
+from zerolab.lessons.n11_optimizers import orthogonalize
+
+
+def sharded_muon_update(grad_shard: torch.Tensor, shape: tuple[int, int], rank: int,
+                        world_size: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Exercise 11.1: Muon's orthogonalised update, from flat gradient shards.
+
+    Inputs: grad_shard: (k,) this rank's flat shard of a matrix's reduced gradient G, as ZeRO
+    keeps it: G (rows, cols) = shape, flattened row-major, padded with zeros to world_size * k
+    elements, rank r holding elements r*k to (r+1)*k; float32.
+    Returns: (k,) float32, this rank's flat shard, laid out the same way (zeros in the
+    padding), of orthogonalize(G) (zerolab.lessons.n11_optimizers: Muon's Newton-Schulz on the
+    whole matrix, as torch.optim.Muon computes it). Muon's momentum is elementwise, so it may
+    stay sharded: only this step needs the whole matrix.
+    Must: orthogonalise the whole matrix once, on rank 0 (the owner), and move the fewest
+    bytes: each other rank sends rank 0 its shard once (k elements, padding included) and
+    receives its k elements of the update back; nothing else travels (2 (N-1) k elements in
+    all). Talk to the other ranks only through zerolab.comm.send and zerolab.comm.recv.
+    Leave `grad_shard` unchanged.
+    Example (2 ranks, shape (3, 2), G = [[3, 0], [0, 1], [0, 0]]): k = 3; rank 0 holds
+    [3, 0, 0], rank 1 [1, 0, 0]. Orthogonalised, G's singular values 3 and 1 both come out
+    near 1: rank 0 returns [0.75, 0, 0], rank 1 [1.1328, 0, 0].
+    Graded on: 1, 2 and 3 ranks, tall, wide and padded matrices: the shard on every rank, the
+    zerolab.comm ops called (send and recv only) and the bytes each rank sent.
+
+    Hint: a flat shard may start mid-row: it is no matrix. On rank 0, put the shards end to
+    end (rank r's at r*k), view the first rows*cols elements as (rows, cols), orthogonalise,
+    pad, and send rank r its k elements.
+    """
+    raise NotImplementedError(
+        "Exercise 11.1: Muon's orthogonalised update, from flat gradient shards.")
