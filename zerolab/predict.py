@@ -87,6 +87,9 @@ class _Timeline(TorchDispatchMode):
         self.peak = np.full(k, -1, dtype=np.int64)
         self.rows: list[dict[str, int]] = [{} for _ in range(k)]
         self.peak_phase = ["forward"] * k
+        # At each peak, what was made in backward and is no parameter's gradient yet: one may
+        # be, once its parameter's hook sees it (the ledger's rule: a gradient only now).
+        self.maybe_grads: list[dict[int, tuple[weakref.ref, int]]] = [{} for _ in range(k)]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -100,7 +103,7 @@ class _Timeline(TorchDispatchMode):
         key = id(storage)  # one Python object per live storage, fake ones too
         if key in self.live or key in self.ignored:
             return False
-        self.live[key] = (storage.nbytes(), self.phase)
+        self.live[key] = (storage.nbytes(), self.phase, weakref.ref(storage))
         self.live_bytes += storage.nbytes()
         weakref.finalize(storage, self._freed, key)
         return True
@@ -110,6 +113,18 @@ class _Timeline(TorchDispatchMode):
         self.schedule.listed.pop(key, None)  # ids are reused once a storage is freed
         self.held.pop(key, None)
         self.param_grads.discard(key)
+
+    def note_grad(self, grad: torch.Tensor) -> None:
+        """A parameter's gradient, before the engine takes it in (a hook on the parameter);
+        alive at a peak as an activation grad, it was a gradient there."""
+        storage = grad.untyped_storage()
+        self.param_grads.add(id(storage))
+        for i, maybe in enumerate(self.maybe_grads):
+            ref, nbytes = maybe.get(id(storage), (None, 0))
+            if ref is not None and ref() is storage:
+                del maybe[id(storage)]
+                self.rows[i]["activation grads"] -= nbytes
+                self.rows[i]["grads"] += nbytes
 
     def saved(self, t: torch.Tensor) -> int:
         self.watch(t)
@@ -141,12 +156,17 @@ class _Timeline(TorchDispatchMode):
         if not len(higher):
             return
         live = dict.fromkeys(ROWS, 0)  # the same at every world size
-        for key, (nbytes, made) in self.live.items():
-            live[self.category(key, made)] += nbytes
+        maybe: dict[int, tuple[weakref.ref, int]] = {}
+        for key, (nbytes, made, ref) in self.live.items():
+            category = self.category(key, made)
+            live[category] += nbytes
+            if category == "activation grads":
+                maybe[key] = (ref, nbytes)
         for i in higher:
+            self.maybe_grads[i] = dict(maybe)
             rows = dict(live)
             for category, nbytes in self.schedule.bytes.items():
-                rows[category] += int(nbytes[i])
+                rows[category] += int(nbytes[i])  # what the engine holds at this world size
             for category, nbytes in self.schedule.padding.items():
                 rows[category] -= int(nbytes[i])
                 rows["padding"] += int(nbytes[i])
@@ -196,7 +216,7 @@ def peaks(build: Callable[[], nn.Module], stage: str | int, world_sizes: Sequenc
         schedule.add("inputs", inputs)
         schedule.add("buffers", sum(b.nbytes for b in model.buffers()))
         handles = schedule.install() + [  # the ledger's own hook: a parameter's gradient
-            p.register_hook(lambda g: timeline.param_grads.add(id(g.untyped_storage())))
+            p.register_hook(timeline.note_grad)
             for p in model.parameters() if p.requires_grad]
         try:
             _step(model, x, y, MixedPrecisionPolicy(param_dtype), schedule, timeline)

@@ -161,13 +161,25 @@ class Schedule:
 
     def step_moments(self) -> list[dict[str, np.ndarray]]:
         """What the step adds at its highest, beyond what is held after backward: the fp32
-        gradients of mixed precision, all at once, and AdamW's temporaries on one tile."""
-        owned = self.owned()
-        tile = self.zero if not owned else np.max([
-            n if self.tile_numel is None else np.minimum(n, self.tile_numel) for n in owned],
-            axis=0)
-        fp32_grads = 4 * np.sum(owned, axis=0) if self.mixed and owned else self.zero
-        return [{"step temporaries": fp32_grads + STEP_TILE_TEMPORARIES * 4 * tile}]
+        gradients of mixed precision, all made before the optimizer runs, and AdamW's
+        temporaries. AdamW (one tensor at a time) makes sqrt(v), then denom = sqrt(v) / c, a
+        tile each, and keeps denom until the next tile's replaces it: at tile i, the last
+        tile's denom and two of its own."""
+        tiles = [self.tiles(numel) for numel in self.owned()]  # in the optimizer's order
+        last, most = self.zero, self.zero
+        for tile in (t for ts in tiles for t in ts):
+            most = np.maximum(most, last + STEP_TILE_TEMPORARIES * tile)
+            last = np.where(tile > 0, tile, last)  # a world size with fewer tiles skips one
+        fp32_grads = 4 * np.sum(self.owned(), axis=0) if self.mixed and tiles else self.zero
+        return [{"step temporaries": fp32_grads + 4 * most}]
+
+    def tiles(self, numel: np.ndarray) -> list[np.ndarray]:
+        """A tensor's tiles (parts/tiles.py), by numel at each world size: as many as the
+        largest world size's needs, zero where another needs fewer."""
+        if self.tile_numel is None:
+            return [numel]
+        count = int(np.max(-(-numel // self.tile_numel)))
+        return [np.clip(numel - i * self.tile_numel, 0, self.tile_numel) for i in range(count)]
 
 
 class ZeRO1Schedule(Schedule):

@@ -127,6 +127,7 @@ class PredictionExercise:
 
 _MEASURED = "zerolab.lessons.measured:measured_for"  # notebooks 01 to 09: ids "NN.pK"
 _10 = "10_bytes_to_seconds"
+_12B = "zerolab.lessons.n12_predict:measured_for"
 _MEASURE = "zerolab.lessons.n10_time:measured_for"
 PREDICTIONS = {p.id: p for p in (
     PredictionExercise(
@@ -185,4 +186,9 @@ PREDICTIONS = {p.id: p for p in (
         "10.4", _10, "predicted_zero3_step_s",
         "Seconds of one ZeRO-3 step at N = 2: compute alone plus its communication, if none "
         "of it hides", "seconds", measure=_MEASURE),
+    PredictionExercise(
+        "12b.p1", "12b_peak_without_building", "predicted_zero2_peak_bytes",
+        "Peak bytes rank 0 holds in one fp32 ZeRO-2 step of the course GPT at N = 3, 4 "
+        "sequences per rank (the ledger's peak), to the nearest 16 KiB", "bytes",
+        rounding=16384, measure=_12B),
 )}
