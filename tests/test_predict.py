@@ -24,6 +24,10 @@ def check_within(name, build, batch_size, world_size, measured, seq_len=None):
     rows = n12_predict.compare(name, build, batch_size, world_size, measured, seq_len)
     bad = [r for r in rows if abs(r.error) > TOLERANCE]
     assert not bad, "\n".join(n12_predict.table(bad))
+    for r in rows:  # and by row: each within 2% of the peak
+        far = {k: (v, r.measured_rows[k]) for k, v in r.predicted_rows.items()
+               if abs(v - r.measured_rows[k]) > TOLERANCE * r.measured}
+        assert not far, f"{r.model} {r.stage} {r.dtype}: (predicted, measured) {far}"
     return rows
 
 

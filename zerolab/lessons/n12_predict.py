@@ -9,6 +9,7 @@ zerolab.predict's figures for the same model, stage, world size and batch.
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -56,7 +57,8 @@ def measured_peaks(build: Callable[[], nn.Module], batch_size: int,
             led = ledger.measure(engine, x, y)
             out[key, dtype_name(dtype)] = Measured(led.peak_bytes, dict(led.rows), led.phase,
                                                    led.unexplained)
-            del engine, model
+            del engine, model, led
+            gc.collect()  # the engine's hooks hold it in cycles: free this stage's memory now
     return out
 
 
@@ -103,6 +105,8 @@ class Row:
     measured: int
     predicted_phase: str
     measured_phase: str
+    predicted_rows: dict[str, int]
+    measured_rows: dict[str, int]
 
     @property
     def error(self) -> float:
@@ -119,7 +123,7 @@ def compare(name: str, build: Callable[[], nn.Module], batch_size: int, world_si
         p = predict.peak(build, key, world_size, batch_size, param_dtype=param_dtype,
                          seq_len=seq_len)
         rows.append(Row(name, STAGES[key], world_size, dtype, p.peak_bytes, m.peak_bytes,
-                        p.phase, m.phase))
+                        p.phase, m.phase, p.rows, m.rows))
     return rows
 
 
@@ -140,3 +144,10 @@ def measured_for(id: str) -> float:
     measured = zerolab.launch(measured_peaks, WORLD_SIZE,
                               args=(GPT, BATCH_PER_RANK, (None,), ("zero2",)))
     return float(measured[0]["zero2", "fp32"].peak_bytes)
+
+
+def notebook_12b() -> dict:
+    """Run on every rank: the notebook's one launch. Each stage of the course GPT measured in
+    fp32 and bf16 (`measured_peaks`), and torch's FSDP2 under FSDPMemTracker."""
+    return {"measured": measured_peaks(GPT, BATCH_PER_RANK, (None, torch.bfloat16)),
+            "fsdp2": fsdp2_tracker_peak(GPTConfig(), BATCH_PER_RANK)}
