@@ -156,3 +156,12 @@ def test_refuses_a_stage_it_has_no_schedule_for():
 def test_refuses_world_sizes_a_rank_is_not_in(world_sizes, rank):
     with pytest.raises(ValueError, match="need world sizes of at least 1 and 0 <= rank"):
         predict.peaks(lambda: GPT(GPTConfig()), "ddp", world_sizes, 2, rank=rank)
+
+
+def test_the_graded_prediction_is_measured_by_the_lesson():
+    from zerolab.lessons.predictions import PREDICTIONS
+
+    p = PREDICTIONS["12b.p1"]
+    assert p.notebook == "12b_peak_without_building" and p.measure.endswith(":measured_for")
+    with pytest.raises(ValueError, match="notebook 12b has one prediction, 12b.p1; got '12b.p2'"):
+        n12_predict.measured_for("12b.p2")

@@ -20,12 +20,12 @@ what the engine holds at each moment of that run, in the same hooks the engine u
   units (units.py) the engine itself would build: bytes with no tensor behind them.
 
 The peak is the largest total seen after any op or any change the schedule makes; the rows
-are what was alive then, by the ledger's categories, padding apart. The step is a formula on
-top: the optimizer's temporaries (two tiles of AdamW's, CPU tiles as parts/tiles.py cuts
-them) and, in mixed precision, the fp32 copies of this rank's gradients (parts/
-mixed_precision.py). What it assumes: the engine as zerolab runs it (gloo's reduce-scatter
-scratch with `gloo=True`), AdamW, the optimizer's state already made (a step after the
-first), no gradient accumulation, no activation checkpointing of units by the schedule.
+are what was alive then, by the ledger's categories, padding apart. The step is counted by
+the schedule, not run: AdamW's temporaries on its tiles (parts/tiles.py) and, in mixed
+precision, the fp32 copies of this rank's gradients (parts/mixed_precision.py). What it
+assumes: the engine as zerolab runs it (gloo's reduce-scatter scratch with `gloo=True`),
+AdamW, its state already made (any step after the first), one backward per step (no
+accumulation). Checked against the ledger (tests/test_predict.py) without checkpointing.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ class _Timeline(TorchDispatchMode):
         super().__init__()
         self.schedule = schedule
         self.ignored: set[int] = set()  # the model's own parameters: the schedule counts them
-        self.live: dict[int, tuple[int, str]] = {}  # id(storage) -> (bytes, phase made in)
+        # id(storage) -> (bytes, the phase it was made in, a weak reference to it)
+        self.live: dict[int, tuple[int, str, weakref.ref]] = {}
         self.held: dict[int, int] = {}  # storages autograd saved: how many saves
         self.param_grads: set[int] = set()  # storages a parameter's gradient hook saw
         self.phase = "forward"
@@ -260,10 +261,9 @@ def _fake_tensors(model: nn.Module, param_dtype: torch.dtype | None) -> None:
         return made[id(t)]
 
     for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in table.items():
-                if t is not None:
-                    table[name] = fake(t)
+        own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, t in own:
+            setattr(module, name, fake(t))  # nn.Module's own: a parameter stays one, a buffer one
 
 
 def batch(model: nn.Module, batch_size: int, seq_len: int | None = None,
