@@ -152,9 +152,11 @@ class Schedule:
         """gloo's reduce-scatter (wire/backends.py): a row per peer whose chunk lands apart
         from the output; made in backward, it is an activation grad to the ledger."""
         if self.gloo:
-            category = "activation grads" if self.timeline.phase == "backward" else \
-                "step temporaries"
-            self.hold_for_collective(category, np.maximum(rows, 0) * b.shard() * self.e)
+            self.hold_for_collective(self.made_now(), np.maximum(rows, 0) * b.shard() * self.e)
+
+    def made_now(self) -> str:
+        """The ledger's row for a buffer the engine makes now and lists nowhere (yet)."""
+        return "activation grads" if self.timeline.phase == "backward" else "step temporaries"
 
     def finish_backward(self) -> None:
         self.wait_pending()
@@ -227,8 +229,11 @@ class ZeRO2Schedule(ZeRO1Schedule):
 
     def reduce(self, b: _Bucket) -> None:
         self.wait_pending()
-        self.hold_for_collective("comm", b.padded() * self.e)  # flatten: `full`
-        self.timeline.sample()  # the full buffer and every .grad of the bucket, at once
+        full, made = b.padded() * self.e, self.made_now()  # flatten's buffer, `full`
+        self.add(made, full)  # made by flatten's ops, listed as comm only once they are done:
+        self.timeline.sample()  # then, beside every .grad of the bucket, it is the ledger's
+        self.add(made, -full)  # activation grad (a temporary of backward)
+        self.hold_for_collective("comm", full)
         for p in b.params:
             p.grad = None
         self.scratch(self.n - 2, b)  # its output is grad_shard itself: one row fewer
