@@ -90,6 +90,15 @@ class GPTConfig:
                              f"got {self.checkpoint!r}")
 
 
+# Sizes beyond the course's: GPT-2 small's (124,439,808 parameters, tied head), and a 7B with
+# Llama-2-7B's width, depth, heads and vocabulary in this GPT's blocks (a GELU MLP of 4h,
+# biases, learned positions, untied head: 6,723,084,288 parameters; theory.MODEL_SHAPES["7B"]).
+# The 7B is built on the meta device only (zerolab.predict), never for real.
+GPT2_124M = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+GPT_7B = GPTConfig(vocab_size=32000, block_size=4096, n_layer=32, n_head=32, n_embd=4096,
+                   tie_weights=False)
+
+
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 

@@ -127,6 +127,7 @@ class PredictionExercise:
 
 _MEASURED = "zerolab.lessons.measured:measured_for"  # notebooks 01 to 09: ids "NN.pK"
 _10 = "10_bytes_to_seconds"
+_12B = "zerolab.lessons.n12_predict:measured_for"
 _MEASURE = "zerolab.lessons.n10_time:measured_for"
 _11 = "11_precision_and_optimizers"
 _MEASURE_11 = "zerolab.lessons.n11_precision:measured_for"
@@ -213,4 +214,9 @@ PREDICTIONS = {p.id: p for p in (
         "The fewest sequences (of 16 tokens) per data-parallel rank at which rank 0 sends more "
         "bytes to its tensor-parallel peer than to its data-parallel peer in one step",
         "count", measure=_MEASURE_12),
+    PredictionExercise(
+        "12b.p1", "12b_peak_without_building", "predicted_zero2_peak_bytes",
+        "Peak bytes rank 0 holds in one fp32 ZeRO-2 step of the course GPT at N = 3, 4 "
+        "sequences per rank (the ledger's peak), to the nearest 16 KiB", "bytes",
+        rounding=16384, measure=_12B),
 )}
