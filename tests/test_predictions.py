@@ -106,7 +106,7 @@ def test_verdicts_without_a_measurement(tmp_path):
 def test_predictions_are_named_by_id_or_notebook():
     assert [p.id for p in graded.select(["05_zero3"])] == ["05.p1"]
     assert [p.id for p in graded.select(["10_bytes_to_seconds.ipynb", "01b.p1"])] == [
-        "01b.p1", "10.1", "10.2", "10.3", "10.4"]
+        "01b.p1", "10.1", "10.2", "10.3", "10.4", "10.5"]
     assert not any(graded.is_prediction(ex) for ex in grading.EXERCISES)  # 1.1 ... 9.3
     with pytest.raises(ValueError, match="no prediction called '11.p1'"):
         graded.select(["11.p1"])

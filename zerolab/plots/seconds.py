@@ -84,3 +84,37 @@ def step_breakdown(steps: Mapping[str, Mapping[str, float]],
     ax.axhline(0, color="black", linewidth=0.5)
     ax.legend(fontsize=7)
     return fig
+
+
+def hidden_share(tokens: Sequence[float], measured: Mapping[str, Sequence[float]],
+                 predicted: tuple[Sequence[float], Sequence[float]], threshold: float,
+                 measured_threshold: float | None = None,
+                 title: str = "Share of a unit's gather hidden behind its forward") -> \
+        base.CourseFigure:
+    """The share of the communication hidden against tokens per rank (log2 axis).
+
+    measured: label -> share per token count (markers joined by a thin line). predicted:
+    (tokens, share) of perfect overlap, min(1, T / T*), a line. threshold: the predicted T*
+    (a dashed vertical line); measured_threshold: where the compute alone reached the
+    communication alone (a dotted one), if the sweep brackets it.
+    """
+    fig, ax = base.figure()
+    colors = ("#c0392b", "#2471a3", "#7d3c98")
+    for color, (label, share) in zip(colors, measured.items()):
+        ax.plot(tokens, share, "o-", color=color, markersize=5, linewidth=0.8,
+                label=f"measured: {label}")
+    ax.plot(*predicted, color="black", linewidth=1.2, label="predicted, perfect overlap")
+    ax.axvline(threshold, color="black", linestyle="--", linewidth=1,
+               label=f"T* predicted: {threshold:,.0f} tokens")
+    if measured_threshold is not None:
+        ax.axvline(measured_threshold, color="#555555", linestyle=":", linewidth=1.2,
+                   label=f"T* measured: {measured_threshold:,.0f}")
+    ax.axhline(0, color="#999999", linewidth=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("T: tokens per rank")
+    ax.set_ylabel("share of the gather hidden")
+    ax.set_ylim(min(-0.3, min(min(s) for s in measured.values()) - 0.05), 1.15)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.grid(True, which="both", linewidth=0.3)
+    return fig
