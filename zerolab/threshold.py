@@ -17,9 +17,11 @@ Each is hidden, if the hardware lets the two run at once, from the tokens per ra
     T* = C · t_comm / (flops per parameter per token · P)
        = C·alpha·(N-1) / (2P)  +  C·beta·b·(N-1) / (2N)         (both, with b = g)
 
-on. For a large unit the first term vanishes and T* -> (b/2)·(C/W)·(N-1)/N: with bf16 on many
-GPUs, C/W, the JAX scaling book's "compute-bound when B/X > C/W". `published_rows` sets a
-learner's measured C and beta beside published H100 figures.
+on (less C·t0 / (2P) for a per-call overhead of t0 seconds: time the rank is busy whatever T,
+which hides a gather as well as FLOPs do). For a large unit the first term vanishes and
+T* -> (b/2)·(C/W)·(N-1)/N: with bf16 on many GPUs, C/W, the JAX scaling book's "compute-bound
+when B/X > C/W". `Machine` and `format_machines` set a learner's measured C and beta beside
+published H100 figures.
 
 C is measured as the unit's own forward: its seconds at several T, fitted by least squares to
 t = t0 + 2·P·T / C (`fit_rate`); t0 is the per-call cost (Python, dispatch) that does not grow
@@ -70,17 +72,21 @@ def comm_seconds(stage: str, link: cost.Link, params: int, world_size: int,
     return link.predict(OPS[stage], bytes_per_param * params, world_size)
 
 
-def compute_seconds(stage: str, flops_per_s: float, params: int, tokens: float) -> float:
-    """The compute that can hide it: the unit's forward (ZeRO-3), the bucket's backward (DDP)."""
+def compute_seconds(stage: str, flops_per_s: float, params: int, tokens: float,
+                    overhead: float = 0.0) -> float:
+    """The compute that can hide it: the unit's forward (ZeRO-3), the bucket's backward (DDP),
+    plus `overhead` seconds a call whatever T (Rate.overhead; 0 for a GPU's figures)."""
     _check(stage)
-    return FLOPS_PER_TOKEN[stage] * params * tokens / flops_per_s
+    return overhead + FLOPS_PER_TOKEN[stage] * params * tokens / flops_per_s
 
 
 def tokens_to_hide(stage: str, flops_per_s: float, link: cost.Link, params: int,
-                   world_size: int, bytes_per_param: int = 4) -> float:
-    """T*: the tokens per rank from which the compute takes as long as the communication."""
+                   world_size: int, bytes_per_param: int = 4, overhead: float = 0.0) -> float:
+    """T*: the tokens per rank from which the compute (with its per-call overhead) takes as
+    long as the communication: C · (t_comm - overhead) / (flops per parameter · P), 0 if the
+    overhead alone is as long."""
     t = comm_seconds(stage, link, params, world_size, bytes_per_param)
-    return t * flops_per_s / (FLOPS_PER_TOKEN[stage] * params)
+    return max(0.0, (t - overhead) * flops_per_s / (FLOPS_PER_TOKEN[stage] * params))
 
 
 def hidden_share(compute: float, comm: float) -> float:
@@ -129,10 +135,11 @@ class Machine:
     link: cost.Link
     world_size: int
     bytes_per_param: int  # 4: fp32 (the course), 2: bf16 weights and gradients
+    overhead: float = 0.0  # seconds a call whatever T (measured here; 0 for published figures)
 
     def threshold(self, stage: str, params: int) -> float:
         return tokens_to_hide(stage, self.flops_per_s, self.link, params, self.world_size,
-                              self.bytes_per_param)
+                              self.bytes_per_param, self.overhead)
 
     @property
     def limit(self) -> float:

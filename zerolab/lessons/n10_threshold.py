@@ -49,6 +49,8 @@ class Threshold:
     forward: list[float]  # per T: the forward alone
     busy: list[float]  # per T: gather issued, forward computed, gather waited for
     idle: list[float]  # per T: gather issued, a sleep as long as the forward, the wait
+    shares: dict[str, list[float]]  # "busy", "idle": per T, the median over rounds of the
+    #                                 share hidden, each round's four times paired
     threads: int  # torch threads per rank
     cores: int  # cores this process may run on
 
@@ -57,26 +59,28 @@ class Threshold:
         return threshold.fit_rate(self.params, self.tokens, self.forward)
 
     def predicted(self, link: cost.Link) -> float:
-        """T* from the fitted C and the link: the unit's gather against 2·P·T / C."""
-        return threshold.tokens_to_hide("ZeRO-3", self.rate.flops_per_s, link, self.params,
-                                        self.world_size)
+        """T* from the fitted C and overhead t0 and the link: the unit's gather against
+        t0 + 2·P·T / C."""
+        rate = self.rate
+        return threshold.tokens_to_hide("ZeRO-3", rate.flops_per_s, link, self.params,
+                                        self.world_size, overhead=rate.overhead)
 
     def measured(self) -> float | None:
         """Measured T*: where the forward alone reaches the gather alone."""
         return threshold.crossing(self.tokens, self.forward, self.gather)
 
     def hidden(self, how: str) -> list[float]:
-        """Per T, the share of the gather that running both hid ("busy" or "idle")."""
-        together = {"busy": self.busy, "idle": self.idle}[how]
-        return [threshold.measured_share(self.gather, f, t)
-                for f, t in zip(self.forward, together)]
+        """Per T, the share of the gather that running both hid ("busy" or "idle"): in each
+        round (gather + forward - together) / gather of that round's times, then the median
+        (a load that comes and goes hits the four times of a round alike)."""
+        return self.shares[how]
 
     def hidden_predicted(self, link: cost.Link, tokens: list[float]) -> list[float]:
-        """Per T, perfect overlap's share: min(1, 2·P·T / C over the link's gather)."""
-        c, g = self.rate.flops_per_s, threshold.comm_seconds("ZeRO-3", link, self.params,
-                                                             self.world_size)
-        return [threshold.hidden_share(threshold.compute_seconds("ZeRO-3", c, self.params, t), g)
-                for t in tokens]
+        """Per T, perfect overlap's share: min(1, (t0 + 2·P·T / C) over the link's gather)."""
+        rate = self.rate
+        g = threshold.comm_seconds("ZeRO-3", link, self.params, self.world_size)
+        return [threshold.hidden_share(threshold.compute_seconds(
+            "ZeRO-3", rate.flops_per_s, self.params, t, rate.overhead), g) for t in tokens]
 
 
 def _inputs(tokens: int) -> torch.Tensor:
@@ -85,7 +89,7 @@ def _inputs(tokens: int) -> torch.Tensor:
     return torch.randn(tokens // seq, seq, MODEL.n_embd, generator=torch.Generator().manual_seed(0))
 
 
-def sweep(group, tokens: tuple[int, ...] = TOKENS, repeats: int = 5,
+def sweep(group, tokens: tuple[int, ...] = TOKENS, repeats: int = 7,
           warmup: int = 1) -> Threshold:
     """Every rank of `group`: the measurements of the module's docstring (a second or two)."""
     n = dist.get_world_size(group)
@@ -129,9 +133,30 @@ def sweep(group, tokens: tuple[int, ...] = TOKENS, repeats: int = 5,
                 for key, s in zip(got, slowest.tolist()):
                     got[key][t].append(s)
     med = {k: [statistics.median(v[t]) for t in tokens] for k, v in got.items()}
+    shares = {how: [statistics.median(threshold.measured_share(g, f, b) for g, f, b in zip(
+        got["gather"][t], got["forward"][t], got[how][t])) for t in tokens]
+        for how in ("busy", "idle")}
     return Threshold(n, padded, tuple(tokens), statistics.median(
         s for t in tokens for s in got["gather"][t]), med["forward"], med["busy"], med["idle"],
-        torch.get_num_threads(), len(os.sched_getaffinity(0)))
+        shares, torch.get_num_threads(), len(os.sched_getaffinity(0)))
+
+
+def figure(th: Threshold, link: cost.Link):
+    """plots.seconds.threshold for `th`: measured forward and gather, the fit, T*, shares."""
+    from zerolab.plots import seconds
+
+    rate = th.rate
+    grid = [2 ** (k / 4) for k in range(8, 37)]  # 4 to 512 tokens per rank
+    line = [(t, threshold.compute_seconds("ZeRO-3", rate.flops_per_s, th.params, t,
+                                          rate.overhead)) for t in grid]
+    return seconds.threshold(
+        th.tokens, th.forward, th.gather,
+        {"forward": line, "hidden": list(zip(grid, th.hidden_predicted(link, grid)))},
+        threshold.comm_seconds("ZeRO-3", link, th.params, th.world_size),
+        {"forward on the cores (busy)": th.hidden("busy"),
+         "a sleep, the cores free (idle)": th.hidden("idle")},
+        th.predicted(link), th.measured(),
+        title=f"N = {th.world_size}, one block: its forward and its gather")
 
 
 def format_threshold(th: Threshold, link: cost.Link) -> str:
@@ -140,8 +165,8 @@ def format_threshold(th: Threshold, link: cost.Link) -> str:
     lines = [f"N = {th.world_size}, one block: P = {th.params:,} parameters, gathered in fp32 "
              f"({4 * th.params / 2**20:.2f} MiB); {th.threads} torch thread(s) per rank, "
              f"{th.cores} core(s) for this process",
-             f"C = {rate.flops_per_s / 1e9:.1f} GFLOP/s (fit of the forward's times, "
-             f"{rate.rms_error:.0%} RMS; {rate.overhead * 1e6:.0f} µs a call whatever T)",
+             f"forward: t0 = {rate.overhead * 1e3:.2f} ms a call + 2PT / C, "
+             f"C = {rate.flops_per_s / 1e9:.1f} GFLOP/s (fit, {rate.rms_error:.0%} RMS)",
              f"α = {link.alpha * 1e6:.0f} µs, β = {link.beta * 1e9:.3f} ns/B; gather predicted "
              f"{threshold.comm_seconds('ZeRO-3', link, th.params, th.world_size) * 1e3:.2f} ms, "
              f"measured {th.gather * 1e3:.2f} ms",

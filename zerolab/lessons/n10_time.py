@@ -98,12 +98,12 @@ def _slowest(values: list[float], group) -> list[float]:
     return t.tolist()
 
 
-def fit_link(group, ops: tuple[str, ...] = cost.OPS, repeats: int = 7,
-             burst: int = 4) -> tuple[cost.Sweep, cost.Link]:
+def fit_link(group, ops: tuple[str, ...] = cost.OPS, repeats: int = 5,
+             burst: int = 4, warmup: int = 1) -> tuple[cost.Sweep, cost.Link]:
     """One sweep of FIT_SIZES and CHECK_SIZES in the same shuffled rounds; the link is fitted
     on FIT_SIZES only, so CHECK_SIZES are sizes it never saw, measured alongside."""
     sweep = cost.measure(sizes=FIT_SIZES + CHECK_SIZES, ops=ops, repeats=repeats, burst=burst,
-                         group=group, burst_bytes=BURST_BYTES)
+                         group=group, burst_bytes=BURST_BYTES, warmup=warmup)
     return sweep, cost.fit(sweep.only(FIT_SIZES))
 
 
@@ -151,8 +151,8 @@ class Floor:
         return _slowest([s.end - s.start for s in log.spans], group)
 
 
-def stage_time(key: str, group, link: cost.Link, steps: int = 3) -> StageTime:
-    """Train stage `key` on `group`: 2 warm-up steps, then `steps` rounds of: one measured
+def stage_time(key: str, group, link: cost.Link, steps: int = 3, warmup: int = 1) -> StageTime:
+    """Train stage `key` on `group`: `warmup` steps, then `steps` rounds of: one measured
     step, the same batch through the Floor (compute alone), and the step's collectives
     replayed alone. In the same rounds, so that a burst of load elsewhere hits all three."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -160,7 +160,7 @@ def stage_time(key: str, group, link: cost.Link, steps: int = 3) -> StageTime:
     engine = engines.make_engine(key, model, torch.optim.AdamW, group=group, lr=LR)
     psi = num_params(model)
     floor = Floor(psi if key == "ddp" else -(-psi // n))  # the elements this rank steps
-    for seed in range(2):
+    for seed in range(warmup):
         x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, seed, rank, n)
         harness.train_step(engine, x, y)
         engine.wait_params()
@@ -169,7 +169,7 @@ def stage_time(key: str, group, link: cost.Link, steps: int = 3) -> StageTime:
                                                       "total")}
     compute: dict[str, list[float]] = {p: [] for p in ("forward", "backward", "step")}
     alone = []
-    for seed in range(2, 2 + steps):
+    for seed in range(warmup, warmup + steps):
         x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, seed, rank, n)
         log = harness.measured_step(engine, x, y, memory=False).log
         span = {s.name: s for s in log.spans}
@@ -201,15 +201,18 @@ def run_at(group, stages: tuple[str, ...] = engines.STAGE_ENGINES, steps: int = 
     return run
 
 
-def bytes_to_seconds(sizes: tuple[int, ...] = (2, 3, 4), steps: int = 3) -> dict[int, Run | None]:
+def bytes_to_seconds(sizes: tuple[int, ...] = (2, 3, 4), steps: int = 3,
+                     stage_sizes: tuple[int, ...] | None = None) -> dict[int, Run | None]:
     """`run_at` for each N in `sizes`, in one launch of max(sizes) ranks (the first N ranks
-    form a group, the others wait); the threshold sweep at the smallest N. Returns, on each
-    rank, {N: its Run, or None where it was not in the group}."""
+    form a group, the others wait); the stages only at `stage_sizes` (default: every N), the
+    threshold sweep at the smallest N. Returns, on each rank, {N: its Run, or None where it
+    was not in the group}."""
     ctx = zerolab.init_from_env()
     out: dict[int, Run | None] = {}
     for n in sizes:
         group = dist.new_group(list(range(n)))  # every rank of the job creates every group
-        out[n] = (run_at(group, steps=steps, with_threshold=n == min(sizes))
+        stages = engines.STAGE_ENGINES if stage_sizes is None or n in stage_sizes else ()
+        out[n] = (run_at(group, stages, steps=steps, with_threshold=n == min(sizes))
                   if ctx.rank < n else None)
         dist.barrier()
     return out
@@ -266,6 +269,8 @@ def format_check(runs: dict[int, Run], collectives: bool = True, stages: bool = 
     lines, hits, total = [], 0, 0
     for n, run in runs.items():
         link = run.link
+        if not (collectives or run.stages):
+            continue  # a run with the link only: no stage to check
         lines.append(f"N = {n}: α {link.alpha * 1e6:.0f} µs, β {link.beta * 1e9:.3f} ns/B "
                      f"({link.bandwidth / 1e9:.2f} GB/s); {format_band(link)}")
         lines.append(f"  {'':16}{'S':>9}  {'measured':>10}  {'predicted':>10}  {'error':>6}")
