@@ -194,7 +194,7 @@ def test_list_shows_every_prediction_with_its_kind(capsys):
 def test_shipped_notebook_10_is_not_attempted(capsys):
     assert grading.main(["10_bytes_to_seconds"]) == 0  # every prediction None: no run at all
     out = capsys.readouterr().out
-    assert out.count("not attempted") == 5 and "4 predictions: 0 right, 0 wrong" in out
+    assert out.count("not attempted") == 6 and "5 predictions: 0 right, 0 wrong" in out
 
 
 def test_a_wrong_prediction_exits_nonzero_and_says_which_way(tmp_path, capsys):
