@@ -130,7 +130,7 @@ def threshold(tokens: Sequence[float], forward: Sequence[float], gather: float,
     right.set_ylabel("share of the gather hidden")
     right.set_title("Both at once: (gather + forward - together) / gather", fontsize=10)
     low = min(min(v) for v in hidden.values())
-    right.set_ylim(max(-1.5, min(-0.3, low - 0.1)), 1.2)
+    right.set_ylim(min(-0.3, low - 0.1), 1.2)  # every point shown, however far below zero
     left.legend(fontsize=7, loc="upper left")
     right.legend(fontsize=7, loc="lower left")
     return fig
