@@ -192,6 +192,7 @@ PREDICTIONS = {p.id: p for p in (
     PredictionExercise(
         "10.5", _10, "predicted_threshold_tokens",
         "Tokens per rank at which one block's forward takes as long as its ZeRO-3 all-gather "
-        "at N = 2, from your C, alpha and beta", "tokens", band=0.5,
+        "at N = 2, from your C, alpha and beta", "tokens", band=0.5,  # wider than a time's:
+        # T* divides a difference of two times (the link's gather, t0) by a fitted slope
         measure="zerolab.lessons.n10_threshold:measured_for"),
 )}
