@@ -106,7 +106,7 @@ def test_verdicts_without_a_measurement(tmp_path):
 def test_predictions_are_named_by_id_or_notebook():
     assert [p.id for p in graded.select(["05_zero3"])] == ["05.p1"]
     assert [p.id for p in graded.select(["10_bytes_to_seconds.ipynb", "01b.p1"])] == [
-        "01b.p1", "10.1", "10.2", "10.3", "10.4"]
+        "01b.p1", "10.1", "10.2", "10.3", "10.4", "10.5"]
     assert not any(graded.is_prediction(ex) for ex in grading.EXERCISES)  # 1.1 ... 9.3
     with pytest.raises(ValueError, match="no prediction called '12.p1'"):
         graded.select(["12.p1"])
@@ -194,7 +194,7 @@ def test_list_shows_every_prediction_with_its_kind(capsys):
 def test_shipped_notebook_10_is_not_attempted(capsys):
     assert grading.main(["10_bytes_to_seconds"]) == 0  # every prediction None: no run at all
     out = capsys.readouterr().out
-    assert out.count("not attempted") == 5 and "4 predictions: 0 right, 0 wrong" in out
+    assert out.count("not attempted") == 6 and "5 predictions: 0 right, 0 wrong" in out
 
 
 def test_a_wrong_prediction_exits_nonzero_and_says_which_way(tmp_path, capsys):

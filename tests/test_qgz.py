@@ -21,7 +21,7 @@ from zerolab.lessons import n09_qgz as lesson
 from zerolab.parts.quantize import LEVELS, dequantize_rows, quantize_int8, quantize_rows
 
 HEADERS = 256  # at most, gloo's own bytes per message on top of the payload (measured 144)
-CURVE_STEPS = 40  # the lesson's loss curves, cut short (the notebook runs 200)
+CURVE_STEPS = 40  # the lesson's loss curves, cut short (the notebook runs 80)
 
 
 @pytest.fixture(scope="module")

@@ -286,6 +286,7 @@ class Fit:
     r2: float  # 1 - sum (t - t̂)² / sum (t - mean t)², on the medians themselves
     errors: tuple[float, ...]  # per point: predicted / measured - 1
     held_out: float  # RMS of the errors predicting each point from a fit without it
+    held_out_errors: tuple[float, ...] = ()  # those errors, point by point
 
     @property
     def rms_error(self) -> float:
@@ -341,9 +342,10 @@ def _fit(timings: list[Timing]) -> Fit:
     mean = sum(times) / len(times)
     ss = sum((t - mean) ** 2 for t in times) or 1.0
     r2 = 1 - sum((t - a * x1 - b * x2) ** 2 for x1, x2, t in rows) / ss
-    held = _rms(_held_out(rows)) if len(rows) > 2 else math.inf
+    left_out = tuple(_held_out(rows)) if len(rows) > 2 else ()
+    held = _rms(left_out) if left_out else math.inf
     return Fit(tuple(dict.fromkeys(t.op for t in timings)), a, b, a_se, b_se, r2,
-               tuple((a * x1 + b * x2) / t - 1 for x1, x2, t in rows), held)
+               tuple((a * x1 + b * x2) / t - 1 for x1, x2, t in rows), held, left_out)
 
 
 @dataclass(frozen=True)
@@ -367,6 +369,20 @@ class Link:
     def bandwidth(self) -> float:
         """1 / beta: bytes per second each rank sends at."""
         return 1 / self.beta
+
+    @property
+    def band(self) -> float:
+        """The acceptance band of a prediction at a size the fit never saw: the largest miss of
+        the fit `predict` uses on a point it was fitted without (leave-one-out), over the
+        engines' three collectives. Measured, not chosen: an unseen size that misses by more
+        is one the model does not explain as well as it explains its own points."""
+        fits = ([self.shared] if self.model == "shared" else
+                [self.per_op[op] for op in SHARED_OPS if op in self.per_op])
+        errors = [abs(e) for f in fits if f is not None for e in f.held_out_errors]
+        if not errors:
+            raise ValueError("no held-out errors: a link built from figures, or fitted on two "
+                             "sizes, has no band")
+        return max(errors)
 
     def alpha_beta(self, op: str) -> tuple[float, float]:
         """The alpha and beta `predict` uses for `op`."""

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from zerolab import cost, engines, harness
-from zerolab.lessons import n10_time
 from zerolab.models import GPT, GPTConfig
 
 KiB = 1 << 10
@@ -30,7 +29,7 @@ def live(attempts: int = 3) -> dict:
                   for t in sweep.only(CHECK).timings}
         out = {"sweep": sweep, "link": link, "errors": errors, "attempts": attempt + 1}
         shared = sorted(abs(e) for (op, _), e in errors.items() if op in cost.SHARED_OPS)
-        flag = torch.tensor([float(shared[len(shared) // 2] <= n10_time.BAND)])
+        flag = torch.tensor([float(shared[len(shared) // 2] <= link.band)])
         dist.broadcast(flag, 0)  # every rank decides alike
         if flag.item():
             break
@@ -56,3 +55,12 @@ def ddp_step(group, link: cost.Link) -> dict:
             "by_hand": sum(link.predict(e.op, e.nbytes, n) for e in log.events),
             "psi": sum(p.numel() for p in model.parameters())}
 
+
+
+def threshold_pair():
+    """2 ranks: notebook 10's threshold sweep at two token counts, few repeats (about 1 s)."""
+    from zerolab import init_from_env
+    from zerolab.lessons import n10_threshold
+
+    init_from_env()
+    return n10_threshold.sweep(None, tokens=(8, 256), repeats=3)

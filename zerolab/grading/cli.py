@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         for ex in EXERCISES.values():
             print(f"{ex.id:<4} {ex.module + '.' + ex.function:<38} {ex.kind:<6} {ex.teaches}")
-        print("\n".join(list_lines()))  # ids NN.pK (10.1-10.4 in notebook 10)
+        print("\n".join(list_lines()))  # ids NN.pK (10.1-10.5 in notebook 10)
         return 0
     if args.hints:
         try:

@@ -13,7 +13,7 @@ refused unread: "not a number". The measurement runs the prediction's `measure` 
 ("module:function", called with the id), which launches ranks of zerolab's own code; the
 verdict is predictions.score's: right, or which way and by how much it missed.
 
-Ids: notebook 10's are "10.1" to "10.4"; notebooks 01 to 09 have "NN.pK" (01b's "01b.p1"), so
+Ids: notebook 10's are "10.1" to "10.5"; notebooks 01 to 09 have "NN.pK" (01b's "01b.p1"), so
 that none reads as a code exercise's id (1.1 ... 9.3).
 """
 
@@ -32,7 +32,7 @@ from zerolab.grading.defaults import REPO
 from zerolab.lessons.predictions import PREDICTIONS, PredictionExercise, Score
 
 NOTEBOOKS_DIR = REPO / "notebooks"
-UNITS = {"bytes": "bytes", "count": "a count", "seconds": "seconds"}
+UNITS = {"bytes": "bytes", "count": "a count", "seconds": "seconds", "tokens": "tokens"}
 
 
 class NotANumber(ValueError):
@@ -205,7 +205,7 @@ def grade_predictions(names: Sequence[str], folder: str | os.PathLike | None = N
 def list_lines() -> list[str]:
     """What --list shows for the predictions, under a line that says how they are named, in
     the code exercises' columns (id, where, kind, what)."""
-    return ["predictions: ids NN.pK, notebook NN's K-th (10.1-10.4: notebook 10's); graded from "
+    return ["predictions: ids NN.pK, notebook NN's K-th (10.1-10.5: notebook 10's); graded from "
             "your notebook when named: python -m zerolab.grade 05.p1 (or 05_zero3)",
             *[f"{p.id:<6} {p.notebook + ':' + p.name:<38} prediction  {p.question}"
               for p in PREDICTIONS.values()]]

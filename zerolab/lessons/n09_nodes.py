@@ -54,7 +54,8 @@ QGZ_VARIANTS = {"qgZ": ("zeropp", {"quantize_grads": True, "node_size": NODE}),
                 "ZeRO++ (qwZ+hpZ+qgZ)": ("zeropp", {"quantize_weights": True,
                                                     "secondary_shard_size": NODE,
                                                     "quantize_grads": True})}
-CURVE_STEPS = 200  # training steps of each loss curve
+CURVE_STEPS = 80  # training steps of each loss curve (the drift shows by then; 200 took most
+#                   of the notebook's launch)
 CURVE_BATCH, CURVE_SEQ = 16, 32  # global batch (sequences) and tokens per sequence
 CURVE_LR = 3e-3
 
@@ -87,7 +88,7 @@ class Traffic:
     secondary_bytes: int  # hpZ: secondary shards held when the forward ends (else 0)
 
 
-REPEATS = 5  # identical steps (and collectives) measured per peer: see `fewest`
+REPEATS = 3  # identical steps (and collectives) measured per peer: see `fewest`
 
 
 def fewest(measurements: list[dict[int, int]]) -> dict[int, int]:

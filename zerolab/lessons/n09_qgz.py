@@ -225,7 +225,7 @@ def curve_drift(curves: dict[str, list[float]], last: int = LAST) -> list[str]:
     """Per named loss curve (the first is the reference): steps, the mean loss over the last
     `last` steps, its drift from the reference's in %, and the largest difference at any step.
     Rounded to what reads the same on any machine: the ranks' torch threads follow the cores,
-    and 200 steps carry a different summation order into the third decimal."""
+    and a curve's steps carry a different summation order into the third decimal."""
     reference = next(iter(curves.values()))
     ref_end = sum(reference[-last:]) / len(reference[-last:])
     rows = [f"{'':22}{'steps':>6}{f'final (last {last})':>18}{'drift':>8}{'max |diff|':>12}"]

@@ -21,9 +21,10 @@ nothing hides (compute + communication) and everything hides (the larger of the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
-from zerolab import cost, theory
+from zerolab import cost, theory, threshold
 from zerolab.wire.messages import messages
 
 ALPHA = 10e-6  # seconds per ring step across the network: an assumed round figure, no source
@@ -98,9 +99,18 @@ PLAYBOOK_BUSBW = {1: 436.0, 2: 361.7, 4: 160.1, 8: 99.6, 16: 84.7, 32: 64.9, 64:
 PLAYBOOK_BYTES = 256e6
 
 
+def all_reduce_seconds(link: cost.Link, nbytes: float, world_size: int) -> float:
+    """NCCL's all-reduce, as its tuner picks: the faster of a ring, alpha·2(N-1) + beta·2(N-1)/N·S,
+    and a tree (reduce up, broadcast down), alpha·2·ceil(log2 N) + the same bytes."""
+    n = world_size
+    ring = link.predict("all_reduce", nbytes, n)
+    tree = ring - link.alpha * 2 * (n - 1) + link.alpha * 2 * math.ceil(math.log2(n))
+    return min(ring, tree)
+
+
 def all_reduce_busbw(cluster: Cluster, nbytes: float, world_size: int) -> float:
     """The model's bus bandwidth (bytes/s) of one all-reduce of `nbytes` on `world_size` GPUs."""
-    seconds = cluster.link(world_size).predict("all_reduce", nbytes, world_size)
+    seconds = all_reduce_seconds(cluster.link(world_size), nbytes, world_size)
     return cost.busbw("all_reduce", nbytes, seconds, world_size)
 
 
@@ -141,48 +151,33 @@ def step_model(w: Workload, stage: str, world_size: int) -> StepModel:
         total = _BYTES[op] * w.params  # the whole model in this collective's dtype
         pieces = w.layers  # one unit (ZeRO-3) or bucket (the others) per layer
         m = messages(op, total / pieces, n, "nccl")
-        latency += pieces * m.count * link.alpha
         transfer += pieces * m.nbytes * link.beta
+        if op == "all_reduce":  # ring or tree, whichever is faster (all_reduce_seconds)
+            latency += pieces * (all_reduce_seconds(link, total / pieces, n)
+                                 - m.nbytes * link.beta)
+        else:
+            latency += pieces * m.count * link.alpha
     states = theory.model_state_memory(w.params, n, stage, precision="mixed").total
     return StepModel(w.name, stage, n, states, w.tokens_per_gpu / w.rate, latency, transfer)
 
 
-def cluster_table(world_sizes: tuple[int, ...] = (8, 64, 512)) -> list[StepModel]:
-    """Every workload x stage x N."""
-    return [step_model(w, s, n) for w in WORKLOADS for s in theory.STAGES for n in world_sizes]
+def threshold_tokens(w: Workload, world_size: int) -> float:
+    """T* of one of `w`'s layers as a ZeRO-3 unit on `world_size` GPUs: its bf16 gather against
+    its forward at the run's own FLOP/s, C = 6Ψ · its tokens/s at 8 GPUs (zerolab.threshold)."""
+    return threshold.tokens_to_hide("ZeRO-3", 6 * w.params * w.rate, w.cluster.link(world_size),
+                                    round(w.params / w.layers), world_size, bytes_per_param=2)
 
 
-def format_cluster(rows: list[StepModel]) -> str:
-    """Tokens/s/GPU by workload, stage and N: "nothing hides - everything hides"."""
-    sizes = sorted({r.world_size for r in rows})
-    lines = []
-    for w in WORKLOADS:
-        lines.append(f"{w.name}, {w.cluster.name}: " + "".join(
-            f"{'N = ' + str(n):>17}" for n in sizes))
-        for stage in theory.STAGES:
-            cells = []
-            for n in sizes:
-                r = next(r for r in rows if (r.workload, r.stage, r.world_size) == (w.name,
-                                                                                  stage, n))
-                cells.append(f"{'does not fit':>17}" if not r.fits else
-                             f"{r.tokens_per_s(w.tokens_per_gpu, False):>9,.0f} -"
-                             f"{r.tokens_per_s(w.tokens_per_gpu, True):>6,.0f}")
-            lines.append(f"  {stage:8}" + "".join(cells))
-    heavy = [r for r in rows if not r.fits]
-    if heavy:
-        lines.append(f"does not fit: model states above {HBM / 1e9:.0f} GB per GPU (e.g. "
-                     f"{heavy[0].workload} DDP: {heavy[0].state_bytes / 1e9:.0f} GB)")
-    return "\n".join(lines)
-
-
-def format_published() -> str:
-    """Published tokens/s/GPU at more GPUs beside the model's two bounds for ZeRO-3."""
-    lines = [f"{'':26}{'N':>4}{'published':>11}{'vs 8 GPUs':>11}{'model: nothing':>16}"
-             f"{'everything hides':>18}"]
-    for (name, n), (measured, _) in PUBLISHED.items():
+def format_predicted() -> str:
+    """Each published run at more GPUs, predicted: past T*, the communication hides (perfect
+    overlap), so a GPU keeps its rate at 8 GPUs unless the step's communication outgrows its
+    compute: tokens / max(compute, communication). The published figure, and the miss."""
+    lines = [f"{'':20}{'N':>4}{'tokens/GPU':>11}{'T*':>7}{'predicted':>11}{'published':>11}"
+             f"{'miss':>7}   (tokens/s/GPU; ZeRO-3)"]
+    for (name, n), (published, _) in PUBLISHED.items():
         w = next(w for w in WORKLOADS if w.name == name)
         r = step_model(w, "ZeRO-3", n)
-        lines.append(f"{name:26}{n:>4}{measured:>11,}{measured / w.rate - 1:>+11.1%}"
-                     f"{r.tokens_per_s(w.tokens_per_gpu, False):>16,.0f}"
-                     f"{r.tokens_per_s(w.tokens_per_gpu, True):>18,.0f}")
+        predicted = r.tokens_per_s(w.tokens_per_gpu, overlap=True)
+        lines.append(f"{name:20}{n:>4}{w.tokens_per_gpu:>11,}{threshold_tokens(w, n):>7,.0f}"
+                     f"{predicted:>11,.0f}{published:>11,}{predicted / published - 1:>+7.1%}")
     return "\n".join(lines)

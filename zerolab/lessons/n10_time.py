@@ -11,21 +11,22 @@ GPT with each stage (DDP, ZeRO-1, ZeRO-2, ZeRO-3), measuring per step:
 - the same model's forward and backward with no engine, and AdamW's step over the elements
   this rank updates: its compute, timed alone (as the bench's floor does).
 
-At N = 2 it also times overlap itself (`Overlap`): an all-reduce alone, compute alone, and the
-two at once, with compute on the cores or (a stand-in for a GPU) sleeping. The engine's steps,
-the compute alone and the replays run in the same rounds, so that a burst of load elsewhere
-hits all three alike; every figure is the slowest rank's, summarised by medians.
+At N = 2 it also sweeps the tokens per rank of one unit's forward against its gather
+(lessons/n10_threshold.py: when communication hides). The engine's steps, the compute alone and
+the replays run in the same rounds, so that a burst of load elsewhere hits all three alike;
+every figure is the slowest rank's, summarised by medians.
 
 `acceptance_table()` prints issue 29's check: at N = 2 and 3, the fitted link's predictions of
 1-16 MiB all-reduces, reduce-scatters and all-gathers, and of each stage's communication per
-step, beside measurements taken in the same rounds (sizes the fit did not see).
+step, beside measurements taken in the same rounds (sizes the fit did not see), each against
+its N's band (cost.Link.band: the fit's worst miss on a point it was fitted without).
 """
 
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,6 @@ STAGES = tuple(engines.label(key) for key in engines.STAGE_ENGINES)
 MiB = 1 << 20
 FIT_SIZES = (16 << 10, 64 << 10, 256 << 10, 768 << 10, 3 * MiB, 12 * MiB)  # what the link sees
 CHECK_SIZES = (1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)  # what it predicts, unseen
-BAND = 0.35  # a prediction within 35% of the measurement passes (issue 29)
 BURST_BYTES = 4 * MiB  # a burst of the sweep holds at most this much S: 3 MiB and up, one call
 
 
@@ -80,22 +80,6 @@ class StageTime:
 
 
 @dataclass
-class Overlap:
-    """An all-reduce of `nbytes` and one forward+backward, alone and together (medians, s)."""
-
-    nbytes: int  # the all-reduce's S: what the link predicts to take as long as the compute
-    comm: float  # the all-reduce alone
-    compute: float  # forward + backward alone
-    busy: float  # issue the all-reduce, compute on the cores, then wait for it
-    busy_compute: float  # the compute inside `busy`: how much the all-reduce slowed it
-    idle: float  # issue the all-reduce, sleep `compute` seconds (the cores free), then wait
-
-    def hidden(self, together: float) -> float:
-        """Seconds overlap saved against running the two one after the other."""
-        return self.comm + self.compute - together
-
-
-@dataclass
 class Run:
     """Everything notebook 10 measures on one group of N ranks."""
 
@@ -104,7 +88,7 @@ class Run:
     sweep: cost.Sweep  # FIT_SIZES and CHECK_SIZES, all four ops
     link: cost.Link  # fitted on FIT_SIZES
     stages: dict[str, StageTime] = field(default_factory=dict)
-    overlap: Overlap | None = None  # N = 2 only
+    threshold: Any = None  # N = 2 only: n10_threshold.Threshold, a unit's gather and forward
 
 
 def _slowest(values: list[float], group) -> list[float]:
@@ -114,12 +98,12 @@ def _slowest(values: list[float], group) -> list[float]:
     return t.tolist()
 
 
-def fit_link(group, ops: tuple[str, ...] = cost.OPS, repeats: int = 7,
-             burst: int = 4) -> tuple[cost.Sweep, cost.Link]:
+def fit_link(group, ops: tuple[str, ...] = cost.OPS, repeats: int = 5,
+             burst: int = 4, warmup: int = 1) -> tuple[cost.Sweep, cost.Link]:
     """One sweep of FIT_SIZES and CHECK_SIZES in the same shuffled rounds; the link is fitted
     on FIT_SIZES only, so CHECK_SIZES are sizes it never saw, measured alongside."""
     sweep = cost.measure(sizes=FIT_SIZES + CHECK_SIZES, ops=ops, repeats=repeats, burst=burst,
-                         group=group, burst_bytes=BURST_BYTES)
+                         group=group, burst_bytes=BURST_BYTES, warmup=warmup)
     return sweep, cost.fit(sweep.only(FIT_SIZES))
 
 
@@ -167,8 +151,8 @@ class Floor:
         return _slowest([s.end - s.start for s in log.spans], group)
 
 
-def stage_time(key: str, group, link: cost.Link, steps: int = 3) -> StageTime:
-    """Train stage `key` on `group`: 2 warm-up steps, then `steps` rounds of: one measured
+def stage_time(key: str, group, link: cost.Link, steps: int = 3, warmup: int = 1) -> StageTime:
+    """Train stage `key` on `group`: `warmup` steps, then `steps` rounds of: one measured
     step, the same batch through the Floor (compute alone), and the step's collectives
     replayed alone. In the same rounds, so that a burst of load elsewhere hits all three."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -176,7 +160,7 @@ def stage_time(key: str, group, link: cost.Link, steps: int = 3) -> StageTime:
     engine = engines.make_engine(key, model, torch.optim.AdamW, group=group, lr=LR)
     psi = num_params(model)
     floor = Floor(psi if key == "ddp" else -(-psi // n))  # the elements this rank steps
-    for seed in range(2):
+    for seed in range(warmup):
         x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, seed, rank, n)
         harness.train_step(engine, x, y)
         engine.wait_params()
@@ -185,7 +169,7 @@ def stage_time(key: str, group, link: cost.Link, steps: int = 3) -> StageTime:
                                                       "total")}
     compute: dict[str, list[float]] = {p: [] for p in ("forward", "backward", "step")}
     alone = []
-    for seed in range(2, 2 + steps):
+    for seed in range(warmup, warmup + steps):
         x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, seed, rank, n)
         log = harness.measured_step(engine, x, y, memory=False).log
         span = {s.name: s for s in log.spans}
@@ -202,90 +186,33 @@ def stage_time(key: str, group, link: cost.Link, steps: int = 3) -> StageTime:
                      link.predict_events(events), alone, compute, phases)
 
 
-def overlap(group, link: cost.Link, repeats: int = 5) -> Overlap:
-    """An all-reduce and the model's forward+backward: alone, and together (the all-reduce
-    issued first, then the compute, then the wait), with the compute on the cores or replaced
-    by a sleep as long as it (the cores free, as when a GPU computes). The all-reduce's size
-    is the one the link predicts to take as long as the compute, so that either could hide
-    the other."""
-    rank, n = dist.get_rank(group), dist.get_world_size(group)
-    model = GPT(MODEL)
-    x, y = harness.local_batch(model.make_batch, GLOBAL_BATCH, 0, rank, n)
-
-    def compute() -> None:
-        model.loss(model(x), y).backward()
-        model.zero_grad(set_to_none=False)
-
-    spans = []
-    for _ in range(3):
-        with comm.record_comm(group) as log, log.span("compute"):
-            compute()
-        spans.append(_slowest([log.spans[-1].end - log.spans[-1].start], group)[0])
-    # S such that alpha·2(N-1) + beta·2(N-1)/N·S = the compute's seconds, 1 to 64 MiB
-    steps = 2 * (n - 1)
-    nbytes = (statistics.median(spans) - link.alpha * steps) / (link.beta * steps / n)
-    grads = torch.zeros(min(64 * MiB, max(MiB, int(nbytes) // MiB * MiB)) // 4)
-    got: dict[str, list[float]] = {k: [] for k in ("comm", "compute", "busy", "inner", "idle")}
-    for r in range(repeats + 1):
-        mine = []
-        with comm.record_comm(group) as log:
-            comm.all_reduce(grads, tag="lesson10/overlap/alone", group=group)
-        mine.append(log.events[-1].end - log.events[-1].start)
-        with comm.record_comm(group) as log, log.span("compute"):
-            compute()
-        mine.append(log.spans[-1].end - log.spans[-1].start)
-        for sleep in (False, True):
-            with comm.record_comm(group) as log:
-                handle = comm.all_reduce(grads, tag="lesson10/overlap/both", group=group,
-                                         async_op=True)
-                with log.span("compute"):
-                    if sleep:
-                        time.sleep(mine[1])  # as long as this rank's compute just took
-                    else:
-                        compute()
-                handle.wait()
-            total = max(log.events[-1].end, log.spans[-1].end)
-            mine += [total] if sleep else [total, log.spans[-1].end - log.spans[-1].start]
-        if r:  # the first round is a warm-up
-            for k, s in zip(got, _slowest(mine, group)):
-                got[k].append(s)
-    med = {k: statistics.median(v) for k, v in got.items()}
-    return Overlap(grads.numel() * 4, med["comm"], med["compute"], med["busy"], med["inner"],
-                   med["idle"])
-
-
-def hid(o: Overlap, together: float) -> str:
-    """A verdict on what overlap hid, from the measurement: most, part, or none."""
-    share = o.hidden(together) / min(o.comm, o.compute)
-    if share >= 0.5:
-        return f"hid most of the shorter one ({share:.0%})"
-    if share > 0.1:
-        return f"hid part of the shorter one ({share:.0%})"
-    return f"hid nothing: together took {together / (o.comm + o.compute):.0%} of one after " \
-           "the other"
-
-
 def run_at(group, stages: tuple[str, ...] = engines.STAGE_ENGINES, steps: int = 3,
-           with_overlap: bool = False, burst: int = 4) -> Run:
-    """Everything for one group: the link, each stage, and (with_overlap) the overlap test."""
+           with_threshold: bool = False, burst: int = 4) -> Run:
+    """Everything for one group: the link, each stage, and (with_threshold) a unit's gather
+    against its forward as the tokens grow (lessons/n10_threshold.py)."""
+    from zerolab.lessons import n10_threshold  # it imports MODEL from here
+
     sweep, link = fit_link(group, burst=burst)
     run = Run(dist.get_world_size(group), num_params(GPT(MODEL)), sweep, link)
     for key in stages:
         run.stages[engines.label(key)] = stage_time(key, group, link, steps)
-    if with_overlap:
-        run.overlap = overlap(group, link)
+    if with_threshold:
+        run.threshold = n10_threshold.sweep(group)
     return run
 
 
-def bytes_to_seconds(sizes: tuple[int, ...] = (2, 3, 4), steps: int = 3) -> dict[int, Run | None]:
+def bytes_to_seconds(sizes: tuple[int, ...] = (2, 3, 4), steps: int = 3,
+                     stage_sizes: tuple[int, ...] | None = None) -> dict[int, Run | None]:
     """`run_at` for each N in `sizes`, in one launch of max(sizes) ranks (the first N ranks
-    form a group, the others wait); the overlap test at the smallest N. Returns, on each
-    rank, {N: its Run, or None where it was not in the group}."""
+    form a group, the others wait); the stages only at `stage_sizes` (default: every N), the
+    threshold sweep at the smallest N. Returns, on each rank, {N: its Run, or None where it
+    was not in the group}."""
     ctx = zerolab.init_from_env()
     out: dict[int, Run | None] = {}
     for n in sizes:
         group = dist.new_group(list(range(n)))  # every rank of the job creates every group
-        out[n] = (run_at(group, steps=steps, with_overlap=n == min(sizes))
+        stages = engines.STAGE_ENGINES if stage_sizes is None or n in stage_sizes else ()
+        out[n] = (run_at(group, stages, steps=steps, with_threshold=n == min(sizes))
                   if ctx.rank < n else None)
         dist.barrier()
     return out
@@ -321,33 +248,46 @@ def measured_for(id: str) -> float:
 # --- issue 29's check -------------------------------------------------------------------------
 
 
-def _verdict(predicted: float, measured: float) -> str:
+def _verdict(predicted: float, measured: float, band: float) -> str:
     miss = predicted / measured - 1
-    return f"{miss:+6.0%}  {'within' if abs(miss) <= BAND else 'OUTSIDE'} {BAND:.0%}"
+    return f"{miss:+6.0%}  {'within' if abs(miss) <= band else 'OUTSIDE'} {band:.0%}"
+
+
+def format_band(link: cost.Link) -> str:
+    """Where a link's band comes from, in one line."""
+    fits = [link.shared] if link.model == "shared" else [link.per_op[op] for op in
+                                                         cost.SHARED_OPS]
+    points = sum(len(f.held_out_errors) for f in fits)
+    return (f"band ±{link.band:.0%}: the largest miss of the {link.model} fit on each of its "
+            f"{points} points, predicted with that point left out")
 
 
 def format_check(runs: dict[int, Run], collectives: bool = True, stages: bool = True) -> str:
     """The prediction-vs-measurement table of `runs`: the collectives at CHECK_SIZES and each
-    stage's communication per step, with how many predictions fell within BAND."""
+    stage's communication per step, each against its N's band (cost.Link.band: the fit's
+    worst held-out miss), with how many predictions fell within it."""
     lines, hits, total = [], 0, 0
     for n, run in runs.items():
         link = run.link
+        if not (collectives or run.stages):
+            continue  # a run with the link only: no stage to check
         lines.append(f"N = {n}: α {link.alpha * 1e6:.0f} µs, β {link.beta * 1e9:.3f} ns/B "
-                     f"({link.bandwidth / 1e9:.2f} GB/s), the {link.model} fit")
+                     f"({link.bandwidth / 1e9:.2f} GB/s); {format_band(link)}")
         lines.append(f"  {'':16}{'S':>9}  {'measured':>10}  {'predicted':>10}  {'error':>6}")
+        band = link.band
         for t in run.sweep.only(CHECK_SIZES).timings if collectives else ():
             if t.op not in cost.SHARED_OPS:
                 continue
             p = link.predict(t.op, t.nbytes)
-            hits, total = hits + (abs(p / t.median - 1) <= BAND), total + 1
+            hits, total = hits + (abs(p / t.median - 1) <= band), total + 1
             lines.append(f"  {t.op:16}{t.nbytes / MiB:>5.1f} MiB  {t.median * 1e3:>7.2f} ms  "
-                         f"{p * 1e3:>7.2f} ms  {_verdict(p, t.median)}")
+                         f"{p * 1e3:>7.2f} ms  {_verdict(p, t.median, band)}")
         for name, s in run.stages.items() if stages else ():
             m, p = s.median("comm"), s.predicted_comm
-            hits, total = hits + (abs(p / m - 1) <= BAND), total + 1
+            hits, total = hits + (abs(p / m - 1) <= band), total + 1
             lines.append(f"  {name + ' step':16}{len(s.collectives):>5} ops  {m * 1e3:>7.2f} ms  "
-                         f"{p * 1e3:>7.2f} ms  {_verdict(p, m)}")
-    lines.append(f"{hits} of {total} predictions within {BAND:.0%} of the measurement")
+                         f"{p * 1e3:>7.2f} ms  {_verdict(p, m, band)}")
+    lines.append(f"{hits} of {total} predictions within their band")
     return "\n".join(lines)
 
 
@@ -398,7 +338,7 @@ def format_phases(runs: dict[int, Run]) -> str:
 
 def acceptance(sizes: tuple[int, ...] = (2, 3), steps: int = 3,
                burst: int = 4) -> dict[int, Run | None]:
-    """Inside ranks: the link and the stages' communication at each N (no overlap test)."""
+    """Inside ranks: the link and the stages' communication at each N (no threshold sweep)."""
     ctx = zerolab.init_from_env()
     out: dict[int, Run | None] = {}
     for n in sizes:

@@ -8,6 +8,7 @@ against the measurement, by kind:
     "bytes"    |predicted - measured| <= rounding / 2          rounding 1024: to the KiB
     "count"    predicted == measured (exact)                   collectives in a step
     "seconds"  |predicted / measured - 1| <= band              band 0.35: within 35%
+    "tokens"   the same, for a count of tokens that times decide  a threshold's tokens per rank
 
 and the verdict says which way and by how much it missed: "too high: 1.62x the measurement
 (+62%), outside the ±35% band". Bytes are exact facts of the run (a formula predicts them to
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("bytes", "count", "seconds")
+KINDS = ("bytes", "count", "seconds", "tokens")
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,8 @@ def _show(value: float, kind: str) -> str:
         return f"{value * 1e3:.3g} ms" if abs(value) < 1 else f"{value:.3g} s"
     if kind == "bytes":
         return f"{value:,.0f} B"
+    if kind == "tokens":
+        return f"{value:,.0f} tokens"
     return f"{value:,.0f}"
 
 
@@ -60,7 +63,7 @@ def _miss(predicted: float, measured: float, kind: str) -> str:
     if measured == 0:
         return f"{way} by {_show(abs(predicted), kind)} (the measurement is 0)"
     rel = predicted / measured - 1
-    if kind == "seconds":
+    if kind in ("seconds", "tokens"):
         return f"{way}: {predicted / measured:.2f}x the measurement ({rel:+.0%})"
     return f"{way} by {_show(abs(predicted - measured), kind)} ({rel:+.1%})"
 
@@ -74,9 +77,10 @@ def score(predicted: float | None, measured: float, kind: str, *, rounding: floa
     if predicted is None:
         return Score(False, None, measured, kind,
                      "not attempted: write your prediction above, then run this cell again")
-    if kind == "seconds":
+    if kind in ("seconds", "tokens"):
         if measured <= 0:
-            raise ValueError(f"a time to score against must be positive, got {measured}")
+            raise ValueError(f"a {'time' if kind == 'seconds' else 'count of tokens'} to score "
+                             f"against must be positive, got {measured}")
         ok = abs(predicted / measured - 1) <= band
         rule = f"the ±{band:.0%} band"
     elif kind == "bytes":
@@ -91,7 +95,7 @@ def score(predicted: float | None, measured: float, kind: str, *, rounding: floa
         return Score(True, predicted, measured, kind,
                      f"right: {shown}" + ("" if exact else f" ({rule}; "
                                           f"{_miss(predicted, measured, kind)})"))
-    where = "outside" if kind == "seconds" else "beyond"
+    where = "outside" if kind in ("seconds", "tokens") else "beyond"
     return Score(False, predicted, measured, kind,
                  f"{_miss(predicted, measured, kind)}, {where} {rule}: {shown}")
 
@@ -190,6 +194,12 @@ PREDICTIONS = {p.id: p for p in (
         "10.4", _10, "predicted_zero3_step_s",
         "Seconds of one ZeRO-3 step at N = 2: compute alone plus its communication, if none "
         "of it hides", "seconds", measure=_MEASURE),
+    PredictionExercise(
+        "10.5", _10, "predicted_threshold_tokens",
+        "Tokens per rank at which one block's forward takes as long as its ZeRO-3 all-gather "
+        "at N = 2, from your C, alpha and beta", "tokens", band=0.5,  # wider than a time's:
+        # T* divides a difference of two times (the link's gather, t0) by a fitted slope
+        measure="zerolab.lessons.n10_threshold:measured_for"),
     PredictionExercise(
         "11.p1", _11, "predicted_float8_gather_bytes",
         "Bytes rank 0 sends, in the ring model, in the float8 codes' all-gathers (forward and "

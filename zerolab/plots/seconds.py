@@ -84,3 +84,53 @@ def step_breakdown(steps: Mapping[str, Mapping[str, float]],
     ax.axhline(0, color="black", linewidth=0.5)
     ax.legend(fontsize=7)
     return fig
+
+
+def threshold(tokens: Sequence[float], forward: Sequence[float], gather: float,
+              predicted: Mapping[str, Sequence[tuple[float, float]]], gather_predicted: float,
+              hidden: Mapping[str, Sequence[float]], t_star: float,
+              t_star_measured: float | None = None,
+              title: str = "A unit's forward against its gather") -> base.CourseFigure:
+    """Two panels against T, tokens per rank (log2 axes).
+
+    Left, milliseconds: the forward measured (markers) and fitted (line), the gather measured
+    (a solid level) and predicted by the link (a dashed one); T* predicted (dashed vertical)
+    and measured (dotted). predicted: "forward" -> [(T, s)] (the fit's line) and "hidden" ->
+    [(T, share)] (perfect overlap). Right: the share of the gather hidden, measured per way
+    (hidden: label -> share per T) beside perfect overlap's.
+    """
+    fig = base.CourseFigure(figsize=(10, 4), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    ms = np.array(forward) * 1e3
+    left.plot(tokens, ms, "o", color="#2471a3", markersize=5, label="forward, measured")
+    lt, ls = zip(*predicted["forward"])
+    left.plot(lt, np.array(ls) * 1e3, color="#2471a3", linewidth=1,
+              label="forward, fitted: t0 + 2PT/C")
+    left.axhline(gather * 1e3, color="#c0392b", linewidth=1.2, label="gather, measured")
+    left.axhline(gather_predicted * 1e3, color="#c0392b", linestyle="--", linewidth=1,
+                 label="gather, the link's prediction")
+    right.axhline(0, color="#999999", linewidth=0.6)
+    for ax in (left, right):
+        ax.axvline(t_star, color="black", linestyle="--", linewidth=1,
+                   label=f"T* predicted: {t_star:,.0f}")
+        if t_star_measured is not None:
+            ax.axvline(t_star_measured, color="black", linestyle=":", linewidth=1.2,
+                       label=f"T* measured: {t_star_measured:,.0f}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("T: tokens per rank")
+        ax.grid(True, which="both", linewidth=0.3)
+    left.set_yscale("log")
+    left.set_ylabel("milliseconds (slowest rank, medians)")
+    left.set_title(title, fontsize=10)
+    colors = ("#c0392b", "#2471a3", "#7d3c98")
+    for color, (label, share) in zip(colors, hidden.items()):
+        right.plot(tokens, share, "o-", color=color, markersize=5, linewidth=0.8, label=label)
+    right.plot(*zip(*predicted["hidden"]), color="black", linewidth=1.2,
+               label="perfect overlap: min(1, forward / gather)")
+    right.set_ylabel("share of the gather hidden")
+    right.set_title("Both at once: (gather + forward - together) / gather", fontsize=10)
+    low = min(min(v) for v in hidden.values())
+    right.set_ylim(min(-0.3, low - 0.1), 1.2)  # every point shown, however far below zero
+    left.legend(fontsize=7, loc="upper left")
+    right.legend(fontsize=7, loc="lower left")
+    return fig
