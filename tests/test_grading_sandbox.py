@@ -64,8 +64,10 @@ with open({notes!r}, "w") as f:
     json.dump({{"cwd": os.getcwd(), "pwd": os.environ.get("PWD"), "refs": _refs,
                "grader": sorted(m for m in sys.modules if m.startswith("zerolab.grading")),
                "zerolab.grading": hasattr(zerolab, "grading"),
-               "environment": sorted(k for k, v in os.environ.items() if "grad" in k.lower()
-                                     or "grading" in v)}}, f)
+               # pytest's own variable names the test file: the caller's, not the grader's
+               "environment": sorted(k for k, v in os.environ.items()
+                                     if k != "PYTEST_CURRENT_TEST" and ("grad" in k.lower()
+                                     or "zerolab.grading" in v or "zerolab-grade" in v))}}, f)
 '''
 
 # At import, starts a process in a session of its own (out of the rank's process group) that
