@@ -82,6 +82,14 @@ def _calls(log: comm.CommLog, waits: _Waits) -> list[dict[str, Any]]:
     return calls
 
 
+def _distinct_bytes(state: Any) -> int:
+    """The bytes of the distinct storages a state dict's tensors hold (a tied weight once)."""
+    tensors = state.values() if isinstance(state, dict) else []
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
 def _optimizers(engine: Any) -> list[torch.optim.Optimizer]:
     return _found(engine, torch.optim.Optimizer)
 
@@ -174,6 +182,7 @@ class _Driver:
                  **gradients}
         if rise is not None:
             found["state dict rise"] = rise
+            found["state dict bytes"] = _distinct_bytes(state)
         return found
 
     def stale(self) -> str | None:

@@ -264,20 +264,21 @@ def _memory(stage: Stage, sizes: Sizes, e: dict, g: dict) -> Record | None:
 
 
 def _state_dict_memory(stage: Stage, sizes: Sizes, e: dict, g: dict) -> Record | None:
-    """How far full_state_dict() raised the rank's live bytes at its peak (the copies it
-    returns included), against zerolab's, with the stage's allowance: one unit or bucket."""
-    want, have = e.get("state dict rise"), g.get("state dict rise")
-    if want is None or have is None:
+    """How far full_state_dict() raised the rank's live bytes at its peak: at most the copies
+    it returns and one unit or bucket (gathered, or in flight) besides. A bound, not zerolab's
+    figure: zerolab's ZeRO-3 keeps its root unit gathered while it copies the rest."""
+    have, copies = g.get("state dict rise"), g.get("state dict bytes")
+    if have is None or copies is None:
         return None
-    extra, allowed = sum(have.values()) - sum(want.values()), sizes.allowance(stage)
-    if extra <= allowed:
+    allowed = copies + sizes.allowance(stage)
+    if sum(have.values()) <= allowed:
         return None
     return _wrong("memory inside full_state_dict()",
                   f"full_state_dict() raised the bytes alive on the rank by "
-                  f"{sum(have.values()):,} at its peak, zerolab's {stage.label} by "
-                  f"{sum(want.values()):,} (+ {allowed:,} allowed: one {stage.unit_of_work} and "
-                  f"padding): {sizes.psi_of(extra)} more", em.STATE_DICT_GATHERS_ALL
-                  if stage.name == "zero3" else em.STATE_DICT_MEMORY)
+                  f"{sum(have.values()):,} at its peak; the copies it returned hold "
+                  f"{copies:,}, and one {stage.unit_of_work} and padding more are allowed "
+                  f"({allowed:,} in all): {sizes.psi_of(sum(have.values()) - allowed)} more",
+                  em.STATE_DICT_GATHERS_ALL if stage.name == "zero3" else em.STATE_DICT_MEMORY)
 
 
 def _near(x: float, target: float, slack: float) -> bool:
