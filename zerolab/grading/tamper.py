@@ -170,5 +170,15 @@ def reimported(hidden: dict[str, types.ModuleType]) -> list[str]:
                 found.append(f"{name}.{key}")
                 continue
             found += [f"{name}.{key}.{part}" for part in _PARTS
-                      if getattr(new, part) != getattr(value, part)]
+                      if _plain(getattr(new, part)) != _plain(getattr(value, part))]
     return found
+
+
+def _plain(value: object) -> object:
+    """A function's part, comparable across two imports of a module: a function in it (a
+    default such as measure_fn=measure) by its qualified name, since each import makes its own."""
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return ("function", value.__qualname__) if type(value) is _FUNCTION else value
