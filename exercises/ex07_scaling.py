@@ -32,8 +32,8 @@ def largest_model(memory_bytes: float, world_size: int, stage: str,
     Example: 80 GB (80e9 bytes) on 8 ranks, "ZeRO-3", "mixed" -> 40e9 parameters; the same
     with DDP: 5e9.
     Graded on: 80e9 and 24e9 bytes, and a few hundred bytes (where a fraction of a
-    parameter is left over); N = 1, 8 and 64; every stage; both precisions. Compared
-    exactly.
+    parameter is left over); N = 1, 3, 5, 8, 9 and 64; every stage; both precisions.
+    Compared exactly (mind float rounding: in floats, 80e9 // 3.2 is 24999999999.0).
 
     Hint: one rank holds Ψ times (the bytes one parameter costs on that rank). Which whole Ψ
     is the largest that fits?

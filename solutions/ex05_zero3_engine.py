@@ -182,10 +182,17 @@ class ZeRO3Engine:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Exercise 5.3: The model's full state_dict(), a snapshot, on every rank (collective)."""
         # BEGIN SOLUTION
-        for unit in self.units:
+        state = self.module.state_dict()  # at rest: buffers whole, parameters 0 elements
+        names: dict[nn.Parameter, list[str]] = {}  # a tied weight has two
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            names.setdefault(p, []).append(name)
+        full = {k: v.detach().clone() for k, v in state.items()
+                if k not in {n for ns in names.values() for n in ns}}
+        for unit in self.units:  # one unit gathered at a time: copied out, then freed
             self.unshard(unit, "state_dict")
-        state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        for unit in self.units:
+            for p in unit.params:
+                copy = p.detach().clone()
+                full.update({n: copy for n in names[p] if n in state})
             self.reshard(unit)
-        return state
+        return {k: full[k] for k in state}
         # END SOLUTION

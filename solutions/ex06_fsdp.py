@@ -78,6 +78,7 @@ def full_state_dict(shards: dict[str, torch.Tensor], rows: dict[str, int], rank:
         padded[:local.shape[0]] = local
         gathered = torch.empty(world_size * padded.numel(), dtype=local.dtype)
         comm.all_gather(gathered, padded.reshape(-1), tag=f"ex6.2/{name}", group=group)
-        full[name] = gathered.view(world_size * rows_per_rank, *rest)[:rows[name]]
+        # A copy of the rows: a view would keep the padding rows' storage alive with it.
+        full[name] = gathered.view(world_size * rows_per_rank, *rest)[:rows[name]].clone()
     return full
     # END SOLUTION

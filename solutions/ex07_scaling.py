@@ -27,19 +27,23 @@ def largest_model(memory_bytes: float, world_size: int, stage: str,
     Example: 80 GB (80e9 bytes) on 8 ranks, "ZeRO-3", "mixed" -> 40e9 parameters; the same
     with DDP: 5e9.
     Graded on: 80e9 and 24e9 bytes, and a few hundred bytes (where a fraction of a
-    parameter is left over); N = 1, 8 and 64; every stage; both precisions. Compared
-    exactly.
+    parameter is left over); N = 1, 3, 5, 8, 9 and 64; every stage; both precisions.
+    Compared exactly (mind float rounding: in floats, 80e9 // 3.2 is 24999999999.0).
 
     Hint: one rank holds Ψ times (the bytes one parameter costs on that rank). Which whole Ψ
     is the largest that fits?
     """
     # BEGIN SOLUTION
+    from fractions import Fraction  # memory_bytes as an exact number, whatever its type
+
     param_bytes, grad_bytes, k = PRECISION_BYTES[precision]
     level = STAGES.index(stage)
     n = world_size
-    per_param = (param_bytes / (n if level >= 3 else 1) + grad_bytes / (n if level >= 2 else 1)
-                 + k / (n if level >= 1 else 1))
-    return math.floor(memory_bytes / per_param)
+    # In N-ths of a byte, so that every number is whole: a float 16/3 or 3.2 is not exact,
+    # and the floor of an inexact quotient can miss by one parameter.
+    per_param_n = (param_bytes * (1 if level >= 3 else n) + grad_bytes * (1 if level >= 2 else n)
+                   + k * (1 if level >= 1 else n))
+    return math.floor(Fraction(memory_bytes) * n / per_param_n)
     # END SOLUTION
 
 

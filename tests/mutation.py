@@ -47,8 +47,6 @@ from zerolab.grading import EXERCISES, SOLUTIONS_DIR, exercise_source, generated
 EQUIVALENT: dict[tuple[str, str], str] = {
     ("5.2", "p.data = torch.empty(0, dtype=p.dtype)"):
         "the device defaults to the CPU, where the grader (and these exercises) run",
-    ("7.1", "return math.floor(memory_bytes // per_param)"):
-        "a // b is floor(a / b) already, also for floats: flooring it again changes nothing",
     ("9.1", "replicas = world_size / node_size"):
         "world_size is a multiple of node_size (the contract): / and // give the same number",
     ("9.2", "padded = torch.zeros(blocks * block)"):

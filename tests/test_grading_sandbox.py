@@ -36,8 +36,8 @@ _solution = os.path.join(os.path.dirname(os.path.dirname(zerolab.__file__)), "so
 with open(_solution) as f:
     _text = f.read()
 with open(_solution, "w") as f:
-    f.write(_text.replace("math.floor(memory_bytes / per_param)",
-                          "round(memory_bytes / per_param)"))
+    f.write(_text.replace("math.floor(Fraction(memory_bytes) * n / per_param_n)",
+                          "round(Fraction(memory_bytes) * n / per_param_n)"))
 with open({notes!r}, "w") as f:
     f.write(os.getcwd())
 '''
@@ -58,13 +58,54 @@ for _fd in os.listdir("/proc/self/fd"):
 _refs = sorted(p for d in _seen if d.startswith("/") and not d.startswith(("/dev", "/proc"))
                for p in glob.glob(os.path.join(d, "ref-*")) + glob.glob(os.path.join(d, "*",
                                                                                       "ref-*")))
+import sys
+import zerolab
 with open({notes!r}, "w") as f:
-    json.dump({{"cwd": os.getcwd(), "pwd": os.environ.get("PWD"), "refs": _refs}}, f)
+    json.dump({{"cwd": os.getcwd(), "pwd": os.environ.get("PWD"), "refs": _refs,
+               "grader": sorted(m for m in sys.modules if m.startswith("zerolab.grading")),
+               "zerolab.grading": hasattr(zerolab, "grading"),
+               # pytest's own variable names the test file: the caller's, not the grader's
+               "environment": sorted(k for k, v in os.environ.items()
+                                     if k != "PYTEST_CURRENT_TEST" and ("grad" in k.lower()
+                                     or "zerolab.grading" in v or "zerolab-grade" in v))}}, f)
+'''
+
+# At import, starts a process in a session of its own (out of the rank's process group) that
+# would sleep for 5 minutes, and notes its pid.
+ORPHAN = '''
+import subprocess
+import sys
+_child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
+                          start_new_session=True)
+with open({notes!r}, "w") as f:
+    f.write(str(_child.pid))
+'''
+
+# Each runs into one of the learner's process's limits when its function is called.
+HUNGRY = '''
+
+def largest_model(memory_bytes, world_size, stage, precision="fp32"):
+    return len(bytearray(4 << 30))  # 4 GiB, past the memory limit the test sets
+'''
+WRITER = '''
+
+def largest_model(memory_bytes, world_size, stage, precision="fp32"):
+    with open("big", "wb") as f:
+        f.write(bytes(2 << 20))  # 2 MiB, past the file-size limit the test sets
+    return 0
+'''
+SPINNER = '''
+
+def largest_model(memory_bytes, world_size, stage, precision="fp32"):
+    while True:  # past the CPU-time limit the test sets, long before the timeout
+        pass
 '''
 
 GRADE = '''
 import json, sys
 from zerolab import grading
+from zerolab.grading import defaults
+defaults.MEMORY_LIMIT, defaults.FILE_LIMIT, defaults.CPU_LIMIT = 3 << 30, 1 << 20, 2
 items = json.loads(sys.argv[1])
 results = grading.grade_files(items, timeout=60, world_sizes=(1,))
 print(json.dumps([[r.status, " ".join(r.message.split()), r.mistake] for r in results]))
@@ -79,14 +120,20 @@ def graded(tmp_path_factory) -> dict:
     for folder in ("zerolab", "solutions", "exercises"):
         shutil.copytree(REPO / folder, copy / folder, ignore=ignore)
     scaling = (REPO / "solutions" / "ex07_scaling.py").read_text()
-    rounded = scaling.replace("math.floor(memory_bytes / per_param)",
-                              "round(memory_bytes / per_param)")
+    rounded = scaling.replace("math.floor(Fraction(memory_bytes) * n / per_param_n)",
+                              "round(Fraction(memory_bytes) * n / per_param_n)")
+    assert rounded != scaling
     files = {"rewrites": ("7.1", "ex07_scaling.py", rounded + REWRITES.format(
                  notes=str(tmp / "rewrites-cwd"))),
              "wrong": ("7.1", "ex07_scaling.py", rounded),
              "snoops": ("2.3", "ex02_collectives.py",
                         (REPO / "solutions" / "ex02_collectives.py").read_text()
-                        + SNOOPS.format(notes=str(tmp / "snoops.json")))}
+                        + SNOOPS.format(notes=str(tmp / "snoops.json"))),
+             "orphan": ("7.1", "ex07_scaling.py", scaling + ORPHAN.format(
+                 notes=str(tmp / "orphan-pid"))),
+             "hungry": ("7.1", "ex07_scaling.py", scaling + HUNGRY),
+             "writer": ("7.1", "ex07_scaling.py", scaling + WRITER),
+             "spinner": ("7.1", "ex07_scaling.py", scaling + SPINNER)}
     items = []
     for name, (exercise, module, text) in files.items():
         (tmp / name).mkdir()
@@ -123,3 +170,38 @@ def test_learner_code_runs_in_a_scratch_folder_and_sees_no_reference(graded):
         assert not where.startswith(copy), where
     assert notes["refs"] == []
     assert graded["results"]["snoops"][0] == "passed", graded["results"]["snoops"]
+
+
+def test_learner_code_finds_nothing_of_the_grader(graded):
+    """No module of the grader by name, no zerolab.grading attribute, no variable that says
+    so: an answer cannot behave only while graded."""
+    notes = json.loads((graded["tmp"] / "snoops.json").read_text())
+    assert notes["grader"] == [] and not notes["zerolab.grading"], notes
+    assert notes["environment"] == [], notes
+    assert "grad" not in notes["cwd"], notes
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def test_a_process_started_in_a_session_of_its_own_does_not_outlive_the_grade(graded):
+    pid = int((graded["tmp"] / "orphan-pid").read_text())
+    assert not _alive(pid), f"process {pid} outlived the grade"
+    assert graded["results"]["orphan"][0] == "passed", graded["results"]["orphan"]
+
+
+@pytest.mark.parametrize("name, words", [
+    ("hungry", "past the grader's memory limit: 3072 MiB per process"),
+    ("writer", "past the grader's file-size limit: 1 MiB"),
+    ("spinner", "killed by SIGXCPU"),
+])
+def test_each_limit_is_named_when_hit(graded, name, words):
+    status, message, _ = graded["results"][name]
+    assert status == "wrong" and words in message, message
+    if name == "spinner":
+        assert "the grader's CPU-time limit per case allows" in message and ": 2 s" in message

@@ -206,3 +206,32 @@ def test_a_wrong_prediction_exits_nonzero_and_says_which_way(tmp_path, capsys):
     notebook(tmp_path / "08_activations.ipynb", f"{p.name} = 64 * 32 * 2 * 4 * 16 + 2048")
     assert grading.main(["08_activations", "--notebooks", str(tmp_path)]) == 0
     assert "right: predicted 264,192 B, measured 264,192 B" in capsys.readouterr().out
+
+
+def test_a_time_is_graded_against_this_machines_measurements(tmp_path):
+    """10.3: measured five times here and scored against their median, within a band from
+    their spread: a number copied from another machine's notebook (+32%) misses a quiet
+    machine's band, and passes a noisy one's."""
+    p = PREDICTIONS["10.3"]
+    notebook(tmp_path / f"{p.notebook}.ipynb", f"{p.name} = 0.0132")
+    quiet = iter([0.0100, 0.0101, 0.0099, 0.0100, 0.0102])
+    r = graded.grade_prediction(p, tmp_path, measure_fn=lambda p: next(quiet))
+    assert r.status == "wrong", r.message
+    assert "5 measurements on this machine, median 10 ms, spread 3%: the band is ±10%" in \
+        r.message
+    noisy = iter([0.0070, 0.0100, 0.0130, 0.0100, 0.0095])
+    r = graded.grade_prediction(p, tmp_path, measure_fn=lambda p: next(noisy))
+    assert r.status == "right" and "the band is ±35%" in r.message, r.message
+
+
+@pytest.mark.parametrize("pid, value, measured, words", [
+    ("10.3", "10.0", 0.010, "written in milliseconds? The prediction is in seconds"),
+    ("10.1", "4096", 4 << 20, "written in KiB? The prediction is in bytes"),
+    ("10.3", "0.02", 0.010, ""),  # twice too slow: a miss, in the right unit
+])
+def test_a_prediction_in_another_unit_is_named(tmp_path, pid, value, measured, words):
+    p = PREDICTIONS[pid]
+    notebook(tmp_path / f"{p.notebook}.ipynb", f"{p.name} = {value}")
+    r = graded.grade_prediction(p, tmp_path, measure_fn=lambda p: measured)
+    assert r.status == "wrong", r.message
+    assert (words in r.message) if words else "written in" not in r.message, r.message

@@ -64,13 +64,16 @@ def _cases_6_2(n: int) -> list[Case]:
 
 
 def _outputs_6_2(result: Any, args: tuple) -> dict[str, Any]:
-    """The full tensors, and the names of those that live in a shard's memory (a shortcut
-    on one rank: the shards themselves returned)."""
+    """The full tensors, the names of those that live in a shard's memory (a shortcut on one
+    rank: the shards themselves returned), and of those whose storage holds more than their
+    rows (a view of the padded gathered buffer keeps the padding alive)."""
     if not isinstance(result, dict):
         raise BadReturn(f"expected a dict of tensors, got {type(result).__name__}")
-    shared = sorted(k for k, v in result.items()
-                    if isinstance(v, torch.Tensor) and _shares_memory(v, list(args[0].values())))
-    return {"result": result, "in a shard's memory": shared}
+    tensors = {k: v for k, v in result.items() if isinstance(v, torch.Tensor)}
+    shared = sorted(k for k, v in tensors.items() if _shares_memory(v, list(args[0].values())))
+    bigger = sorted(k for k, v in tensors.items() if k not in shared
+                    and v.untyped_storage().nbytes() > v.numel() * v.element_size())
+    return {"result": result, "in a shard's memory": shared, "in a bigger buffer": bigger}
 
 
 # ---- what the grader can tell apart ------------------------------------------------------------
@@ -162,6 +165,11 @@ EXERCISES = [
                          "A full state dict is saved while training goes on: return new "
                          "tensors (on one rank the shard holds every row, but it is the "
                          "model's live memory: copy it).",
-                         lambda ev: bool(ev.got), output="in a shard's memory")),
+                         lambda ev: bool(ev.got), output="in a shard's memory"),
+                 Mistake("the full tensors: views into the padded buffer",
+                         "A view of the gathered buffer keeps its padding rows alive with it, "
+                         "in every saved tensor: .clone() the first `rows` rows, so that each "
+                         "full tensor holds exactly its own bytes.",
+                         lambda ev: bool(ev.got), output="in a bigger buffer")),
              read_only=("shards",)),
 ]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
 
 from zerolab.grading.exercise import Case, Exercise
 from zerolab.grading.inputs import STAGES, _fixed, _stage_moved
@@ -13,11 +15,14 @@ from zerolab.grading.mistakes import Evidence, Mistake, any_of, matches, solutio
 
 def _cases_7_1() -> list[Case]:
     # A few hundred bytes leave a fraction of a parameter over: rounding to the nearest
-    # whole number, or up, then gives an answer that does not fit.
+    # whole number, or up, then gives an answer that does not fit. N = 3, 5 and 9 make the
+    # bytes per parameter a fraction no float holds: there a float quotient lands on the
+    # wrong side of a whole number (80e9 on 5 ranks, ZeRO-3 fp32: 80e9 // 3.2 is
+    # 24,999,999,999), which N = 1, 8 and 64 never show.
     return [Case(f"{memory:g} bytes, N={n}, {stage}, {precision}",
                  _fixed(memory, n, stage, precision))
-            for memory in (80e9, 24e9, 300.0, 1000.0) for n in (1, 8, 64) for stage in STAGES
-            for precision in ("fp32", "mixed")]
+            for memory in (80e9, 24e9, 300.0, 1000.0) for n in (1, 3, 5, 8, 9, 64)
+            for stage in STAGES for precision in ("fp32", "mixed")]
 
 
 def _cases_7_2() -> list[Case]:
@@ -33,14 +38,18 @@ _NO_MASTER_WEIGHTS = {"fp32": (4, 4, 8), "mixed": (2, 2, 8)}  # a wrong table: K
 
 
 def _params_that_fit(ev: Evidence, table: dict[str, tuple[int, int, int]] | None = None,
-                     whole: Callable[[float], float] = math.floor) -> float:
-    """7.1's answer, with another bytes table or another way to make it whole."""
+                     whole: Callable[[Any], Any] = math.floor, floats: bool = False) -> Any:
+    """7.1's answer, with another bytes table or another way to make it whole; exact
+    (fractions) unless `floats`: then whole(memory / per_param) of floats, and with whole=None
+    the float floor division memory // per_param."""
     memory, n, stage, precision = ev.inputs()
     p, g, k = (table or {"fp32": (4, 4, 8), "mixed": (2, 2, 12)})[precision]
     level = STAGES.index(stage)
-    per_param = p / (n if level >= 3 else 1) + g / (n if level >= 2 else 1) + k / (
-        n if level >= 1 else 1)
-    return whole(memory / per_param)
+    shares = ((p, n if level >= 3 else 1), (g, n if level >= 2 else 1), (k, n if level >= 1 else 1))
+    if not floats:
+        return whole(Fraction(memory) / sum(Fraction(b, d) for b, d in shares))
+    per_param = sum(b / d for b, d in shares)  # as a learner's floats add up
+    return memory // per_param if whole is None else whole(memory / per_param)
 
 
 def _seconds(ev: Evidence, steps: Callable[[str, int], int], per_step_bytes: str = "S/N",
@@ -63,8 +72,9 @@ EXERCISES = [
              "1.1 says, and a sharded category costs 1/N per rank. The answer must fit: round "
              "down, never to the nearest.",
              _cases_7_1,
-             hints=("per_param = p / (N if ZeRO-3) + g / (N if ZeRO-2 or 3) + k / (N if "
-                    "ZeRO-1, 2 or 3); return math.floor(memory_bytes / per_param).",),
+             hints=("Per rank, in N-ths of a byte: per_param_n = p * (1 if ZeRO-3 else N) + g * "
+                    "(1 if ZeRO-2 or 3 else N) + k * (1 if ZeRO-1, 2 or 3 else N); return "
+                    "int(memory_bytes) * N // per_param_n: whole numbers, no float rounding.",),
              mistakes=(
                  Mistake("rounded up or to the nearest, not down",
                          "A model of 18.75 parameters' worth of memory holds 18, not 19: round "
@@ -75,6 +85,16 @@ EXERCISES = [
                  Mistake("a fraction of a parameter",
                          "Return a whole number of parameters: round the quotient down.",
                          matches(lambda ev: _params_that_fit(ev, whole=float))),
+                 Mistake("a float quotient: one parameter off",
+                         "With N = 3, 5 or 9 the bytes per parameter (16/5 = 3.2) is no exact "
+                         "float, and memory / per_param lands just under a whole number that "
+                         "fits exactly (and // on floats too). Count in whole bytes: a rank "
+                         "holds Ψ·(p·a + g·b + k·c)/N bytes with a, b, c each 1 or N, so "
+                         "Ψ = (memory · N) // (p·a + g·b + k·c) in integers (or use "
+                         "fractions.Fraction).",
+                         any_of(matches(lambda ev: _params_that_fit(ev, floats=True)),
+                                matches(lambda ev: _params_that_fit(ev, whole=None,
+                                                                   floats=True)))),
                  Mistake("mixed precision without the fp32 master weights",
                          "Mixed-precision Adam keeps fp32 master weights besides m and v: "
                          "K = 12, not 8.",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import signal
 from dataclasses import dataclass
 
-from zerolab.grading import flight
+from zerolab.grading import defaults, flight
 from zerolab.grading.defaults import FILE_LIMIT, OUTPUT_LIMIT
 from zerolab.grading.mistakes import (
     COLLECTIVES_DIFFER,
@@ -37,7 +37,10 @@ _CAUSES = {
     "SIGKILL": "killed from outside, most often because the machine ran out of memory (a "
                "tensor far bigger than intended?)",
     "SIGFPE": "an arithmetic error in native code (an integer division by zero?)",
-    "SIGXFSZ": f"a file bigger than {FILE_LIMIT >> 20} MiB written",
+    "SIGXFSZ": f"a file bigger than {FILE_LIMIT >> 20} MiB written: past the grader's "
+               f"file-size limit",
+    "SIGXCPU": "more CPU time used than the grader's CPU-time limit per case allows (threads "
+               "spinning, or a loop that never ends)",
 }
 
 
@@ -109,7 +112,10 @@ def explain(stop: Stop, timeout: float, mistakes: tuple[Mistake, ...],
                         and (m.test is None or _holds(m, evidence))), None)
     if mistake is None and difference is not None:
         mistake = COLLECTIVES_DIFFER
-    return Explained(f"{message} Likely cause: {_CAUSES.get(name, 'a crash in native code')}.",
+    cause = _CAUSES.get(name, "a crash in native code")
+    if name == "SIGXCPU":
+        cause += f": {defaults.CPU_LIMIT} s"
+    return Explained(f"{message} Likely cause: {cause}.",
                      mistake, printed=stop.output)
 
 

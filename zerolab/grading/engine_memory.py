@@ -174,6 +174,17 @@ class Points:
         index = self._sample()
         self.marks.append((name, phase, index, _shown(self.trace.samples[index][1])))
 
+    def rise(self, fn: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
+        """fn(), and how far the live bytes rose above those at its call at fn's peak, by
+        category (a state dict's gathers: what one call holds at once)."""
+        start = self._sample()
+        out = fn()
+        end = self._sample()
+        samples = self.trace.samples[start:end + 1]
+        base = _shown(samples[0][1])
+        top = max((_shown(s[1]) for s in samples), key=lambda by: sum(by.values()))
+        return out, {c: top[c] - base[c] for c in SHOWN}
+
     def data(self) -> dict[str, Any]:
         """{"points": [[name, bytes by category]], "peak": [bytes by category, phase]}."""
         self.categories.active = False

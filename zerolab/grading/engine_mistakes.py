@@ -30,6 +30,10 @@ def ratio_mistakes(n: int, shown: str = "") -> list[tuple[float, Mistake]]:
             (2, _m("a gradient counted twice",
                    "Your update is twice too large: a gradient reduced, or added into its shard, "
                    "twice (a hook that fires twice? a tied weight counted twice?).")),
+            (n / 2, _m("divided by 2, not by N",
+                       f"Your update is {shown}/2 times the right one: the sum over the ranks "
+                       f"was divided by 2, which is N only on 2 ranks. Divide by the group's "
+                       f"size (or use op=\"avg\").")),
             (0, _m("a parameter not stepped",
                    "Your update is zero: the optimizer did not step this parameter (is it in the "
                    "optimizer? ZeRO: was its shard all-gathered back?)."))]
@@ -141,6 +145,18 @@ PHASES = {
         "post-accumulate-grad hook of its last gradient), then drop them and reshard the unit: "
         "held until step(), every unit's flat gradient is alive at the end of backward, 4Ψ."),
 }
+PADDING_NOT_ZERO = _m("padding not zeros",
+                      "The padding of a flat buffer must hold zeros, in the gradients too: a "
+                      "reduce-scatter sums every rank's padding into someone's shard, and "
+                      "torch.empty (or a NaN) there reaches that rank's optimizer state and "
+                      "parameters. Make the flat gradient buffer with torch.zeros (or zero "
+                      "its padding).")
+STATE_DICT_GATHERS_ALL = _m("full_state_dict() gathers every unit at once",
+                            "Gather, copy out and free one unit at a time: a state dict "
+                            "holds the copies, never the whole model gathered as well.")
+STATE_DICT_MEMORY = _m("full_state_dict() holds more than one copy of the state",
+                       "Copy each tensor once (detach().clone()) and return: no second "
+                       "copy, no flat buffer of the whole model besides.")
 BLOCKING = {
     "ddp": _m("no overlap: backward waits for each all-reduce",
               "Issue each bucket's all-reduce with async_op=True, keep its handle, and wait for "

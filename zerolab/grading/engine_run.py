@@ -25,7 +25,7 @@ from zerolab import comm, harness
 from zerolab.grading import borrowed, flight
 from zerolab.grading.check import _is_stub
 from zerolab.grading.data import encode
-from zerolab.grading.engine_memory import Categories, Points, tracked
+from zerolab.grading.engine_memory import Categories, Points, _found, tracked
 from zerolab.grading.engine_model import (
     BUCKET_BYTES,
     GLOBAL_BATCH,
@@ -37,8 +37,85 @@ from zerolab.grading.engine_model import (
 from zerolab.grading.exercise import Case
 
 
-def _phase(log: comm.CommLog, start: float) -> str:
-    return next((s.name for s in log.spans if s.start <= start <= s.end), "between")
+class _Waits:
+    """Which collectives backward waited for: each parameter gets a hook of the grader's
+    after the engine's (torch runs a parameter's post-accumulate-grad hooks in order), which
+    sees the calls issued since its last run and those that have ended. A call that ended
+    before another gradient was accumulated after its issue was waited for in the hook that
+    issued it: backward stopped there (async_op=True in name only). zerolab's engines wait for
+    the last ones as backward ends, in their last hook: one such call there is theirs too."""
+
+    def __init__(self, model: torch.nn.Module, log: comm.CommLog):
+        self.log, self.count, self.seen = log, 0, 0
+        self.issued: dict[int, int] = {}  # id(event) -> gradients accumulated at its issue
+        self.held: set[int] = set()
+        self.decided: set[int] = set()
+        self.handles = [p.register_post_accumulate_grad_hook(self._accumulated)
+                        for p in model.parameters() if p.requires_grad]
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        events = self.log.events
+        for e in events[self.seen:]:
+            self.issued[id(e)] = self.count
+        self.seen = len(events)
+        for e in events:
+            key = id(e)
+            if key in self.issued and key not in self.decided and e.end is not None:
+                self.decided.add(key)
+                if self.issued[key] == self.count:
+                    self.held.add(key)
+        self.count += 1
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _calls(log: comm.CommLog, waits: _Waits) -> list[dict[str, Any]]:
+    """Each collective: its phase, op, size, tag, whether it was issued async, and whether
+    its phase waited for it ("held": blocking, or waited for in the hook that issued it)."""
+    calls = []
+    for e in log.events:
+        phase = next((s.name for s in log.spans if s.start <= e.start <= s.end), "between")
+        calls.append({"phase": phase, "op": e.op, "nbytes": e.nbytes, "tag": e.tag,
+                      "async": e.async_op, "held": not e.async_op or id(e) in waits.held})
+    return calls
+
+
+def _distinct_bytes(state: Any) -> int:
+    """The bytes of the distinct storages a state dict's tensors hold (a tied weight once)."""
+    tensors = state.values() if isinstance(state, dict) else []
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors
+                if isinstance(t, torch.Tensor)}
+    return sum(storages.values())
+
+
+def _optimizers(engine: Any) -> list[torch.optim.Optimizer]:
+    return _found(engine, torch.optim.Optimizer)
+
+
+def _gradients(engine: Any) -> dict[str, Any]:
+    """What the engine's optimizers step with, after step(): the sum of every gradient's
+    squares (over a rank's shards; across ranks it is the average gradient's, N times over for
+    DDP: padding that is not zero adds to it) and the first tensor that holds a NaN or an inf
+    (a parameter, or its .grad)."""
+    total, bad = 0.0, None
+    params = list({id(p): p for o in _optimizers(engine) for g in o.param_groups
+                   for p in g["params"]}.values())
+    for i, p in enumerate(params):
+        for what, t in (("parameter", p), ("gradient", p.grad)):
+            if t is None:
+                continue
+            local = t.detach()
+            local = local.to_local() if hasattr(local, "to_local") else local
+            if what == "gradient":
+                total += float(local.double().pow(2).sum())
+            if bad is None and not bool(torch.isfinite(local).all()):
+                flat = local.reshape(-1)
+                where = int((~torch.isfinite(flat)).nonzero()[0])
+                bad = (f"the {what} of the optimizer's parameter {i} ({flat.numel()} "
+                       f"elements) holds {float(flat[where])} at element {where}")
+    return {"grad squares": total, "not finite": bad}
 
 
 class _Driver:
@@ -82,20 +159,31 @@ class _Driver:
             points.mark("after step()", "step()")
         return loss
 
-    def finish(self, loss: float) -> dict[str, Any]:
-        """After step(): frozen parameters' .grad, zero_grad(), the state dict."""
+    def finish(self, loss: float, points: Points | None = None) -> dict[str, Any]:
+        """After step(): frozen parameters' .grad, what the optimizers step with, zero_grad(),
+        the state dict (on the measured step: with the bytes it raised the rank's by)."""
         frozen = [n for n, p in self.model.named_parameters()
                   if not p.requires_grad and p.grad is not None]
         stale = self.stale()
+        gradients = _gradients(self.engine)
         self.engine.zero_grad()
-        state = self.engine.full_state_dict()
+        rise = None
+        if points is None:
+            state = self.engine.full_state_dict()
+        else:
+            state, rise = points.rise(self.engine.full_state_dict)
         encoded = encode(state)
         self.categories.hold(encoded)
         # Kept until the next step, to see whether it changes (not in the measured case: what
         # a rank holds there is the engine's alone).
         keep = isinstance(state, dict) and not self.setting.measured
         self.previous = (state, encoded) if keep else None
-        return {"loss": loss, "state": encoded, "frozen grads": frozen, "stale": stale}
+        found = {"loss": loss, "state": encoded, "frozen grads": frozen, "stale": stale,
+                 **gradients}
+        if rise is not None:
+            found["state dict rise"] = rise
+            found["state dict bytes"] = _distinct_bytes(state)
+        return found
 
     def stale(self) -> str | None:
         """The last state dict's first tensor whose values changed since it was returned."""
@@ -115,14 +203,15 @@ class _Driver:
         points = Points(tracker, categories)
         with comm.record_comm(self.group, align=False) as log:
             stream = flight.streamed(log, self.flight_path) if self.flight_path else None
+            waits = _Waits(self.model, log)
             try:
                 loss = self.train(step, points)
             finally:
+                waits.remove()
                 if stream is not None:
                     stream.close()
-        calls = [{"phase": _phase(log, e.start), "op": e.op, "nbytes": e.nbytes, "tag": e.tag,
-                  "async": e.async_op} for e in log.events]
-        return {**self.finish(loss), "memory": points.data(), "calls": calls,
+        finished = self.finish(loss, points)
+        return {**finished, "memory": points.data(), "calls": _calls(log, waits),
                 "ring bytes": log.total_ring_bytes()}
 
 

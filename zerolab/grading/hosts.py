@@ -16,6 +16,7 @@ can run (not Linux), each process is spawned instead, with its seed in its envir
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import threading
@@ -90,12 +91,60 @@ def start(rank: int, target: Callable[..., Any], args: tuple, log_path: str,
         return spawn_rank(target, args, log_path)
 
 
+# Note: every descendant reaped. A learner's process may start processes of its own, and one
+# started with start_new_session=True leaves the process group that kill() signals. So each
+# learner's process makes itself a child subreaper (prctl PR_SET_CHILD_SUBREAPER, Linux): an
+# orphan below it is adopted by it, not by init, and stays its descendant; kill() then finds
+# every descendant through /proc (parent links) and kills them all, and a process that ends
+# by itself kills its own first.
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def adopt_orphans() -> bool:
+    """Make this process a child subreaper (see the Note); False where it cannot be."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc's parent links; [] where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # ended meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def kill_descendants(pid: int) -> None:
+    """SIGKILL every process below `pid` (stopped first, so that none starts another)."""
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        for child in descendants(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child, sig)
+
+
 def kill(process: Any) -> None:
     """Kill a process and every process it started (it leads a process group of its own once
     it runs: worker.serve makes it one), from outside: nothing it runs can stop this."""
     pid = process.pid
     if pid is None:
         return
+    kill_descendants(pid)  # new sessions included: they stay below a subreaper
     with contextlib.suppress(ProcessLookupError, PermissionError):
         if os.getpgid(pid) == pid:
             os.killpg(pid, signal.SIGKILL)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from zerolab.grading.defaults import REPO
 from zerolab.lessons.predictions import PREDICTIONS, PredictionExercise, Score
+from zerolab.lessons.predictions import score as lessons_score
 
 NOTEBOOKS_DIR = REPO / "notebooks"
 UNITS = {"bytes": "bytes", "count": "a count", "seconds": "seconds", "tokens": "tokens"}
@@ -168,8 +169,40 @@ def grade_prediction(p: PredictionExercise, folder: str | os.PathLike | None = N
                                          f"arithmetic of numbers")
     if predicted is None:
         return Graded(p, "not attempted", f"{p.name} is None: {p.question}")
-    score = p.score(predicted, measure_fn(p))
-    return Graded(p, "right" if score.ok else "wrong", score.message, score)
+    if p.kind != "seconds":
+        score = p.score(predicted, measure_fn(p))
+        return Graded(p, "right" if score.ok else "wrong", score.message + _unit(p, score),
+                      score)
+    # A time is this machine's: measured REPEATS times here, scored against their median
+    # within a band from their spread (a number measured on another machine misses it).
+    times = sorted(measure_fn(p) for _ in range(REPEATS))
+    median = times[len(times) // 2]
+    spread = (times[-1] - times[0]) / median if median > 0 else 0.0
+    band = min(p.band, max(BAND_FLOOR, 2 * spread))
+    score = lessons_score(predicted, median, p.kind, band=band)
+    told = (f" ({REPEATS} measurements on this machine, median {median * 1e3:.3g} ms, spread "
+            f"{spread:.0%}: the band is ±{band:.0%})")
+    return Graded(p, "right" if score.ok else "wrong", score.message + told + _unit(p, score),
+                  score)
+
+
+REPEATS = 5  # measurements of a time on the learner's machine
+BAND_FLOOR = 0.10  # the narrowest band a time is scored within, however quiet the machine
+# A prediction off by one of these factors was most likely written in another unit.
+_UNITS = {"seconds": {1e3: "milliseconds", 1e6: "microseconds"},
+          "bytes": {1 / 1024: "KiB", 1 / 1024 ** 2: "MiB", 1 / 1024 ** 3: "GiB", 8: "bits",
+                    1 / 4: "fp32 elements"}}
+
+
+def _unit(p: PredictionExercise, score: Score) -> str:
+    """A hint when a wrong prediction is the measurement in another unit (within 35%)."""
+    if score.ok or not score.ratio:
+        return ""
+    for factor, unit in _UNITS.get(p.kind, {}).items():
+        if abs(score.ratio / factor - 1) <= 0.35 and abs(score.ratio - 1) > 0.35:
+            return (f". Your number is about {factor:g}x the measurement: written in {unit}? "
+                    f"The prediction is in {UNITS[p.kind]}")
+    return ""
 
 
 @dataclass

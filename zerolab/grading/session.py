@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zerolab.grading import data, flight, hosts
+from zerolab.grading import data, defaults, flight, hosts
 from zerolab.grading.defaults import GRACE, OUTPUT_LIMIT, STARTUP_ALLOWANCE
 from zerolab.grading.exercise import Exercise
 from zerolab.grading.worker import serve
@@ -173,7 +173,8 @@ class _Watch:
     def __init__(self, tasks: list[Task], world_size: int, timeout: float,
                  references: dict[str, list[Any]], judge: Judge | None):
         self.tasks, self.world_size, self.timeout, self.judge = tasks, world_size, timeout, judge
-        self.dir = Path(tempfile.mkdtemp(prefix="zerolab-grade-"))
+        # A name that says nothing of grading: the learner's process works in a folder in it.
+        self.dir = Path(tempfile.mkdtemp(prefix="zerolab-run-"))
         self.references = dict(references)
         needed = dict.fromkeys(t.exercise.id for t in tasks if t.exercise.distributed)
         self.computed = [i for i in needed if i not in references]  # by the ranks, this run
@@ -188,7 +189,10 @@ class _Watch:
                     "references": self.computed, "timeout": self.timeout,
                     # One thread: the cases' tensors are tiny, and a second thread only spins
                     # (measured: 4x the CPU time of an engine exercise on one rank).
-                    "threads": 1}
+                    "threads": 1,
+                    # Read now, not at import: a caller (a test) may set other limits.
+                    "limits": {"memory": defaults.MEMORY_LIMIT, "cpu": defaults.CPU_LIMIT,
+                               "file": defaults.FILE_LIMIT}}
         (self.dir / "tasks.json").write_text(json.dumps(settings))
         hosts.prepare(self.world_size)
         for r in self.ranks:

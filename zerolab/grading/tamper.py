@@ -129,3 +129,56 @@ def sealed() -> Callable[[Snapshot], list[str]]:
         private[name] = types.FunctionType(fn.__code__, private, fn.__name__, fn.__defaults__,
                                            fn.__closure__)
     return private["replaced"]
+
+
+# Note: the grader hidden. A learner's code that looks for the grader (`"zerolab.grading" in
+# sys.modules`) could behave only while graded. So once the references ran, `hide_grader()`
+# takes zerolab.grading's modules out of sys.modules and the package off `zerolab`: the worker
+# keeps its own references to what it runs, and nothing of the grader is found by name. A
+# learner's `import zerolab.grading.kinds` then loads fresh copies, which no measurement uses;
+# `reimported(hidden)` still names what the learner's code changed in them (a function
+# rebound, or its code swapped: compared by value with the grader's own copy), as an intent to
+# change the grader's tools.
+
+
+def hide_grader() -> dict[str, types.ModuleType]:
+    """Take zerolab.grading's modules out of sys.modules (see the Note); they are returned."""
+    hidden = {name: module for name, module in list(_MODULES.items())
+              if name == "zerolab.grading" or name.startswith("zerolab.grading.")}
+    for name in hidden:
+        del _MODULES[name]
+    parent = _MODULES.get("zerolab")
+    if parent is not None and "grading" in _names(parent):
+        delattr(parent, "grading")
+    return hidden
+
+
+def reimported(hidden: dict[str, types.ModuleType]) -> list[str]:
+    """The functions of the grader's modules that a learner's code imported afresh and then
+    rebound ("zerolab.grading.kinds.run") or changed (".__code__"), against the hidden copies."""
+    found = []
+    for name, fresh in list(_MODULES.items()):
+        own = hidden.get(name)
+        if own is None or fresh is own:
+            continue
+        names = _names(fresh)
+        for key, value in list(_names(own).items()):
+            if type(value) is not _FUNCTION:
+                continue
+            new = names.get(key, _GONE)
+            if type(new) is not _FUNCTION or new.__qualname__ != value.__qualname__:
+                found.append(f"{name}.{key}")
+                continue
+            found += [f"{name}.{key}.{part}" for part in _PARTS
+                      if _plain(getattr(new, part)) != _plain(getattr(value, part))]
+    return found
+
+
+def _plain(value: object) -> object:
+    """A function's part, comparable across two imports of a module: a function in it (a
+    default such as measure_fn=measure) by its qualified name, since each import makes its own."""
+    if isinstance(value, tuple):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return ("function", value.__qualname__) if type(value) is _FUNCTION else value

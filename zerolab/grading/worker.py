@@ -3,9 +3,12 @@
 `serve(workdir, rank, world_size)` is rank `rank` of a run (hosts.py starts it). The run's
 tasks, each a learner's file for one exercise, are in workdir/tasks.json. In order:
 
-1. Limits: the process leads a process group of its own (the grader kills it, and whatever it
-   started, from outside), no file it writes may pass FILE_LIMIT bytes, and it works in a
-   scratch folder of its own (scratch-<rank>, in the run's folder), never the project's: a
+1. Limits: the process leads a process group of its own and adopts every orphan below it (a
+   child subreaper: the grader kills it and all it started, new sessions included, from
+   outside), it may map MEMORY_LIMIT bytes, use CPU_LIMIT CPU seconds a case and write no
+   file past FILE_LIMIT bytes (each limit is named in the verdict when hit; the grader's
+   process says which, read when the run starts), and it works in a
+   scratch folder of its own (rank-<rank>, in the run's folder), never the project's: a
    relative path in a learner's code lands there.
 2. The references, before any learner code is loaded: each distributed exercise's solution (an
    engine exercise: zerolab's engine of its stage) on every case, written to ref-<id>-<rank>.pt.
@@ -29,6 +32,7 @@ ends its process.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import os
 import resource
@@ -43,9 +47,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zerolab.grading import borrowed, data, kinds, tamper
+from zerolab.grading import borrowed, data, hosts, kinds, tamper
 from zerolab.grading.check import _is_stub, _learner_traceback, _load_module
-from zerolab.grading.defaults import FILE_LIMIT, GRACE
+from zerolab.grading.defaults import GRACE
 from zerolab.grading.registry import EXERCISES
 
 
@@ -72,7 +76,25 @@ def _agree(store: dist.Store, key: str, status: str, rank: int, world_size: int,
     return [store.get(k).decode() for k in keys]
 
 
-def _raised(e: BaseException, learner_file: str) -> dict[str, str]:
+def _limit_hit(e: BaseException, limits: dict[str, int]) -> str:
+    """Which of the process's limits an exception shows it hit ("" for none)."""
+    text = str(e)
+    if isinstance(e, MemoryError) or "can't allocate memory" in text or \
+            "Cannot allocate memory" in text:
+        return f" (past the grader's memory limit: {limits['memory'] >> 20} MiB per process)"
+    if isinstance(e, OSError) and e.errno == errno.EFBIG:
+        return f" (past the grader's file-size limit: {limits['file'] >> 20} MiB)"
+    return ""
+
+
+def _limit(limits: dict[str, int]) -> None:
+    """CPU time: `limits["cpu"]` seconds more from now (SIGXCPU past it), before each case."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(usage.ru_utime + usage.ru_stime) + 1 + limits["cpu"]
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, resource.RLIM_INFINITY))
+
+
+def _raised(e: BaseException, learner_file: str, limits: dict[str, int]) -> dict[str, str]:
     """How a case that raised ended: "stub" for the untouched exercise; an engine whose
     constructor ran but a method is still the stub is "raised", and says so; an engine the
     grader found built on a reference engine (borrowed.Borrowed) "uses the reference"."""
@@ -82,7 +104,8 @@ def _raised(e: BaseException, learner_file: str) -> dict[str, str]:
     if _is_stub(e) and not unwritten:
         return {"status": "stub"}
     todo = " (a method still to write)" if unwritten else ""
-    return {"status": "raised", "message": f"{type(e).__name__}: {e}{todo}",
+    return {"status": "raised",
+            "message": f"{type(e).__name__}: {e}{todo}{_limit_hit(e, limits)}",
             "traceback": _learner_traceback(e, learner_file)}
 
 
@@ -93,6 +116,7 @@ class _Run:
         self.dir, self.rank, self.world_size = Path(workdir), rank, world_size
         settings = json.loads((self.dir / "tasks.json").read_text())
         self.tasks, self.timeout = settings["tasks"], settings["timeout"]
+        self.limits: dict[str, int] = settings["limits"]
         self.reference_ids = settings["references"]  # the others, the grader has already
         torch.set_num_threads(settings["threads"])
         self.events = _Events(str(self.dir / f"events-{rank}.jsonl"), rank)
@@ -104,6 +128,7 @@ class _Run:
         self.store = dist.FileStore(str(self.dir / "agree"), world_size)
         self.modules: dict[str, ModuleType | dict] = {}
         self.modules_before: dict[str, set[str]] = {}  # learner file -> sys.modules before it
+        self.hidden: dict[str, ModuleType] = {}  # the grader's modules, out of sys.modules
 
     def path(self, kind: str, *names: Any, suffix: str = "pt") -> str:
         return str(self.dir / f"{kind}-{'-'.join(map(str, (*names, self.rank)))}.{suffix}")
@@ -127,6 +152,8 @@ class _Run:
         kinds.forget_solutions()
         for task in self.tasks:
             kinds.prepare(EXERCISES[task["exercise"]])
+        borrowed.prepare()
+        self.hidden = tamper.hide_grader()  # nothing of the grader found by name from here on
         self.events.write(event="references")
         go = self.dir / "go"
         while not go.exists():  # the grader reads every rank's references, then writes `go`
@@ -171,6 +198,7 @@ class _Run:
         key, ex, learner_file = task["key"], EXERCISES[task["exercise"]], task["learner"]
         group = dist.new_group() if ex.distributed else None  # its stray messages stay there
         self.events.write(event="begin", key=key, case="import", label="importing your file")
+        _limit(self.limits)
         module = self.load(learner_file)
         outcome: dict[str, Any] = {"status": "returned"}
         if isinstance(module, dict):
@@ -186,6 +214,7 @@ class _Run:
         cases = ex.cases(self.world_size) if ex.distributed else ex.cases()
         for index, case in enumerate(cases):
             self.events.write(event="begin", key=key, case=index, label=case.label)
+            _limit(self.limits)
             try:
                 found = kinds.run(ex, fn, case, self.rank, self.world_size, group,
                                   self.path("flight", key, index, suffix="jsonl"),
@@ -193,11 +222,11 @@ class _Run:
                 data.save(found, self.path("got", key, index))
                 outcome = {"status": "returned"}
             except BaseException as e:  # SystemExit too: the learner's code called exit()
-                outcome = _raised(e, learner_file)
+                outcome = _raised(e, learner_file, self.limits)
             self.events.write(event="end", key=key, case=index, **outcome)
             if any(s != "returned" for s in self.agree(key, index, outcome["status"], True)):
                 break
-        changed = replaced(baseline)
+        changed = replaced(baseline) + tamper.reimported(self.hidden)
         uses = "" if changed else self.uses_reference(module, ex, learner_file)  # lazily
         status = "tampered" if changed else "uses the reference" if uses else "returned"
         self.events.write(event="done", key=key, status=status,
@@ -218,8 +247,11 @@ def serve(workdir: str, rank: int, world_size: int) -> None:
     # zygote leads one already; a spawned one does not.)
     if os.getsid(0) != os.getpid():
         os.setsid()
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_LIMIT, FILE_LIMIT))
-    scratch = Path(workdir) / f"scratch-{rank}"  # started in the caller's folder: leave it
+    limits = json.loads((Path(workdir) / "tasks.json").read_text())["limits"]
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limits["file"], limits["file"]))
+    resource.setrlimit(resource.RLIMIT_AS, (limits["memory"], limits["memory"]))
+    hosts.adopt_orphans()  # every process it starts stays its descendant, sessions included
+    scratch = Path(workdir) / f"rank-{rank}"  # started in the caller's folder: leave it
     scratch.mkdir(exist_ok=True)
     os.chdir(scratch)
     os.environ["PWD"] = str(scratch)
@@ -234,4 +266,5 @@ def serve(workdir: str, rank: int, world_size: int) -> None:
     else:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         run.events.write(event="final", cpu=usage.ru_utime + usage.ru_stime)  # for the record
+    hosts.kill_descendants(os.getpid())  # nothing the learner's code started outlives it
     os._exit(0)  # no exit handlers: nothing of the learner's runs after this
