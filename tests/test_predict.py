@@ -64,6 +64,7 @@ def _unseen(gpt, mlp):
             "mlp": n12_predict.measured_peaks(mlp, 5)}
 
 
+@pytest.mark.large  # minutes and GBs: not in `make test`; `pytest -m large tests`
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_gpt2_124m_within_2_percent_every_stage(world_size):
     """GPT-2 small built for real, 64 tokens a sequence: 2 GB of model states per rank under
