@@ -46,8 +46,11 @@ from zerolab.parts.arguments import check_engine_arguments, check_optimizer, ele
 from zerolab.parts.buffers import BufferSync, broadcast_coalesced
 from zerolab.parts.clipping import clip_grad_norm_
 from zerolab.parts.habits import (
+    DSD_REFUSED,
     guard_user_optimizers,
+    hook_dsd,
     hook_module_state,
+    init_state_for_dsd,
     refuse_module_conversions,
     route_optimizer,
 )
@@ -94,6 +97,7 @@ class EngineShell(nn.Module):
         self._backward_seen = False  # a gradient was accumulated since the last step
         self._grads_synced = False  # this step's gradients are reduced (step or clipping did it)
         self._sync = True  # False inside no_sync(): gradients accumulate locally, unreduced
+        self._synced_backward = False  # the last backward ran with _sync (reducing as it went)
         self._accumulated = 0  # trainable parameters whose gradient this backward accumulated
         self.stepping = False  # inside step(): the optimizer's own step() runs
         self.shard_params: ShardParams | None = None  # engine.parameters() under ZeRO
@@ -126,6 +130,7 @@ class EngineShell(nn.Module):
         route_optimizer(self)  # optimizer.step(), .zero_grad(), model.zero_grad(): the engine's
         guard_user_optimizers(self)
         refuse_module_conversions(self)
+        hook_dsd(self)  # get_state_dict(engine.module, engine.optimizer)
         # Final parameter objects (a meta model's were replaced), listed once for the tracker
         self._params = list(model.parameters())
 
@@ -161,6 +166,10 @@ class EngineShell(nn.Module):
     def _backward_starts(self, grad: torch.Tensor) -> None:
         """The first parameter gradient of a backward (multi-grad hook, mode "any")."""
         self._accumulated = 0
+        if self._backward_seen and self._synced_backward and not self._grads_synced:
+            self._sync_grads()  # the last backward left reductions to issue (ddp.py's Note)
+        self._synced_backward = self._sync
+        self._count_afresh()  # the stage's
         if self.shard_params is None:
             return
         # A user's optimizer.zero_grad() over the shard parameters set their .grad to None:
@@ -309,11 +318,22 @@ class EngineShell(nn.Module):
         if not self.shards_params:
             yield from super().named_parameters(prefix, recurse, remove_duplicate)
             return
+        if not recurse:  # the engine's own: none (its shards stand for the module's)
+            return
         if self.shard_params is None:
             self.shard_params = ShardParams.of(self)
             self.shard_params.bind_grads()
         for name, p in self.shard_params.named():
             yield (f"{prefix}.{name}" if prefix else name), p
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint.state_dict (get_state_dict, set_state_dict) asks every
+        module for this first: a sharded engine refuses there, DDP makes its optimizer's state
+        (parts/habits.py, the Note on DSD)."""
+        if self.shards_params:
+            raise RuntimeError(DSD_REFUSED.format(type(self).__name__))
+        init_state_for_dsd(self)
+        return {}
 
     def _apply(self, fn, recurse: bool = True):
         refuse_conversion(self, fn)

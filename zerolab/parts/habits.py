@@ -96,12 +96,53 @@ def route_optimizer(engine: Any) -> None:
     route(engine, engine.optimizer, "state_dict", state_dict)
 
 
+RESUME = (
+    "Save every rank's part with zerolab.checkpoint.save(engine, folder) (any world size on "
+    "load), or torch.save(engine.rank_state_dict(), f'rank{{rank}}.pt') on every rank (the same "
+    "world size); model.module.state_dict() (a collective under ZeRO-3) holds the full weights.")
 ONE_RANKS_STATE = (
     "{0}.optimizer.state_dict(): this rank's optimizer holds the state of its own shards only, "
-    "which cannot resume the other ranks (torch's ZeroRedundancyOptimizer refuses it too). Save "
-    "every rank's part with zerolab.checkpoint.save(engine, folder) (any world size on load), "
-    "or torch.save(engine.rank_state_dict(), f'rank{{rank}}.pt') on every rank (the same world "
-    "size); model.module.state_dict() (a collective under ZeRO-3) holds the full weights.")
+    "which cannot resume the other ranks (torch's ZeroRedundancyOptimizer refuses it too, and "
+    "torch.distributed.checkpoint.state_dict.get_state_dict calls it). " + RESUME)
+# Note: torch's get_state_dict(model, optimizer) keys the optimizer's state by the parameters
+# it steps, named by model.named_parameters(): FSDP2's optimizer steps the model's own DTensor
+# parameters. A ZeRO engine's optimizer steps flat shards that run through several parameters,
+# which no name of the model's stands for: torch's code would fail on them (KeyError: 0), so
+# the engine refuses first. (DDP's optimizer steps the parameters themselves: it works.)
+# DSD gives a fresh optimizer its state (one step at lr 0 on zero gradients) where no parameter
+# has a .grad, so that a load has tensors to fill; DDP's parameters always have one (views of
+# its buckets, zero before any backward), so DSD would skip it and a resumed engine would start
+# without Adam's moments, silently. The engine does what DSD would, when DSD asks for
+# `_fqn_modifiers` (its first question to every module): of the engine, or of engine.module.
+
+
+def init_state_for_dsd(engine: Any) -> None:
+    optimizer = engine.optimizer
+    if optimizer.state or engine._backward_seen:  # a step made it, or gradients are not zero
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    type(optimizer).step(optimizer)  # torch's step: engine.step() would want a backward first
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+
+
+def hook_dsd(engine: Any) -> None:
+    """engine.module._fqn_modifiers: DSD's first question, answered by the engine's."""
+    ref, model = weakref.ref(engine), engine.module
+
+    def fqn_modifiers() -> dict[str, str]:
+        e = ref()
+        return {} if e is None else e._fqn_modifiers()
+
+    model._fqn_modifiers = fqn_modifiers  # an instance attribute: no state dict sees it
+
+
+DSD_REFUSED = (
+    "torch.distributed.checkpoint.state_dict's get_state_dict/set_state_dict({0}, ...): {0}'s "
+    "optimizer steps flat shards that cut parameters apart, which torch's code cannot key by "
+    "the model's parameter names. " + RESUME)
 
 
 # Note: a torch optimizer the user builds. torch's DDP averages every .grad before backward
@@ -254,3 +295,23 @@ def _units_handled(engine: Any) -> dict[nn.Module, list]:
         if units:
             out[m] = units
     return out
+
+
+def keep_last(module: nn.Module, hook: Callable[..., Any]) -> None:
+    """Register `hook` as a forward hook of `module` that stays its last one: a forward hook a
+    user registers on the module later runs before it. torch runs forward hooks in the order
+    they were registered, so ZeRO-3's post_forward (which frees the unit's full weights) would
+    otherwise run before a hook added after wrapping, which would see 0-element weights; FSDP2's
+    user sees what the forward computed with, and so does this one. Forward pre-hooks need
+    nothing: the engine's (unshard) was registered first and runs first."""
+    torch_register = type(module).register_forward_hook
+    handle = [torch_register(module, hook)]
+
+    def register(self: nn.Module, user_hook: Callable[..., Any], *args: Any, **kwargs: Any):
+        added = torch_register(self, user_hook, *args, **kwargs)
+        if self is module:  # not a copy of it (copy.deepcopy rebinds this method to the copy)
+            handle[0].remove()
+            handle[0] = torch_register(self, hook)  # registered again: last
+        return added
+
+    module.register_forward_hook = types.MethodType(register, module)
