@@ -63,6 +63,7 @@ from zerolab.parts.state_dicts import load_engine_state_dict
 from zerolab.parts.storages import model_state_bytes
 from zerolab.parts.tiles import OptimizerTiles, default_tile_numel
 from zerolab.sharding import Bucket, Slot
+from zerolab.units import Unit
 
 
 class EngineShell(nn.Module):
@@ -71,6 +72,7 @@ class EngineShell(nn.Module):
     _materialize, _make_buckets, _shard_model, _slots, then _hook_modules."""
 
     shards_params = False  # ZeRO-1/2/3: parameters() gives this rank's shards (DTensors)
+    units: Sequence[Unit] = ()  # ZeRO-3's units (units.py); none in the other stages
     grads_in_buckets = True  # every .grad is a view into its bucket's flat_grad (not ZeRO-2/3)
     Options: type = object  # the stage's own options, a frozen dataclass (ddp.DDPOptions)
 
@@ -284,10 +286,20 @@ class EngineShell(nn.Module):
     def shards_stepped_outside(self) -> None:
         """A user's optimizer stepped engine.parameters() (this rank's shards): the step is
         done, so re-sync the parameters as step() would (ZeRO-1/2 all-gather them)."""
-        self._after_step()
+        self.resync_params()
         self._backward_seen = self._grads_synced = False
 
-    def _sync_if_backward(self) -> None:
+    def resync_params(self) -> None:
+        """The shards changed outside step() (a user's optimizer, a load): every rank's
+        parameters from them again (the stage's _after_step: ZeRO-1/2 all-gather)."""
+        self._after_step()
+
+    @property
+    def backward_seen(self) -> bool:
+        """A backward accumulated gradients since the last step."""
+        return self._backward_seen
+
+    def sync_if_backward(self) -> None:
         """Reduce a finished backward's gradients now, unless inside no_sync()."""
         if self._backward_seen and self._sync and not self._grads_synced:
             self._sync_grads()
@@ -314,7 +326,7 @@ class EngineShell(nn.Module):
         """DDP: the model's parameters ("module.<name>", torch DDP's names). ZeRO-1/2/3: the
         shards this rank steps, one DTensor per flat bucket ("module.<bucket>": parts/
         shard_params.py), as FSDP2 gives each rank's shards."""
-        self._sync_if_backward()  # whoever reads .grad next reads the reduced gradients
+        self.sync_if_backward()  # whoever reads .grad next reads the reduced gradients
         if not self.shards_params:
             yield from super().named_parameters(prefix, recurse, remove_duplicate)
             return

@@ -22,7 +22,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from torch.optim.optimizer import (
 )
 
 from zerolab.sharding import shard
+
+if TYPE_CHECKING:  # the engine contract: the shell (a cycle at run time)
+    from zerolab.shell import EngineShell
 
 # Note: zeroing gradients, three spellings. torch users zero through the model
 # (`model.zero_grad()`, which sets every `.grad` to None), through the optimizer
@@ -51,7 +54,7 @@ from zerolab.sharding import shard
 # engine warns that it does, naming the calls that zero (zero2.py, NOT_ZEROED).
 
 
-def route(engine: Any, obj: Any, name: str, method: Callable[..., Any]) -> None:
+def route(engine: EngineShell, obj: Any, name: str, method: Callable[..., Any]) -> None:
     """Make obj.name(...) call method(engine, obj, ...) while obj is the engine's own (its
     module or optimizer); a deep copy of obj, or obj after the engine is gone, gets torch's
     method back. Bound to obj itself, so that copy.deepcopy binds the copy's to the copy; the
@@ -68,14 +71,14 @@ def route(engine: Any, obj: Any, name: str, method: Callable[..., Any]) -> None:
     setattr(obj, name, types.MethodType(routed, obj))
 
 
-def route_optimizer(engine: Any) -> None:
+def route_optimizer(engine: EngineShell) -> None:
     """Make engine.module.zero_grad(), engine.optimizer.zero_grad() and engine.optimizer.step()
     the engine's; engine.optimizer.state_dict() refuses where one rank's cannot resume."""
 
-    def zero_grad(e: Any, obj: Any, set_to_none: bool = True) -> None:
+    def zero_grad(e: EngineShell, obj: Any, set_to_none: bool = True) -> None:
         e.zero_grad(set_to_none)
 
-    def step(e: Any, optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
+    def step(e: EngineShell, optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
         if e.stepping:  # the engine's own call, from inside engine.step()
             return type(optimizer).step(optimizer, closure, **kwargs)
         if closure is not None:
@@ -85,7 +88,7 @@ def route_optimizer(engine: Any) -> None:
                             "loss.backward(), then optimizer.step() with no argument.")
         e.step()
 
-    def state_dict(e: Any, optimizer: torch.optim.Optimizer) -> dict:
+    def state_dict(e: EngineShell, optimizer: torch.optim.Optimizer) -> dict:
         if e.shards_params and e.world_size > 1:
             raise RuntimeError(ONE_RANKS_STATE.format(type(e).__name__))
         return type(optimizer).state_dict(optimizer)
@@ -116,9 +119,9 @@ ONE_RANKS_STATE = (
 # `_fqn_modifiers` (its first question to every module): of the engine, or of engine.module.
 
 
-def init_state_for_dsd(engine: Any) -> None:
+def init_state_for_dsd(engine: EngineShell) -> None:
     optimizer = engine.optimizer
-    if optimizer.state or engine._backward_seen:  # a step made it, or gradients are not zero
+    if optimizer.state or engine.backward_seen:  # a step made it, or gradients are not zero
         return
     lrs = [g["lr"] for g in optimizer.param_groups]
     for g in optimizer.param_groups:
@@ -128,7 +131,7 @@ def init_state_for_dsd(engine: Any) -> None:
         g["lr"] = lr
 
 
-def hook_dsd(engine: Any) -> None:
+def hook_dsd(engine: EngineShell) -> None:
     """engine.module._fqn_modifiers: DSD's first question, answered by the engine's."""
     ref, model = weakref.ref(engine), engine.module
 
@@ -157,12 +160,12 @@ DSD_REFUSED = (
 # step; the engine's own optimizer is let through at once.
 
 
-def guard_user_optimizers(engine: Any) -> None:
+def guard_user_optimizers(engine: EngineShell) -> None:
     """Refuse torch optimizers stepping what the engine shards; note those stepping its shards."""
     ref = weakref.ref(engine)
     module_params = {id(p) for p in engine.module.parameters()}
 
-    def reached(e: Any, optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
+    def reached(e: EngineShell, optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
         """(it steps the model's own parameters, it steps the engine's shard parameters)"""
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         shards = e.shard_params is not None and not ids.isdisjoint(e.shard_params.ids)
@@ -174,7 +177,7 @@ def guard_user_optimizers(engine: Any) -> None:
             return
         model, shards = reached(e, optimizer)
         if model or shards:
-            e._sync_if_backward()  # gradients reduced before anyone steps on them
+            e.sync_if_backward()  # gradients reduced before anyone steps on them
         if model and e.shards_params:
             raise RuntimeError(WRONG_PARAMS.format(type(e).__name__))
         if shards and e.precision.param_dtype is not None:
@@ -202,18 +205,18 @@ WRONG_PARAMS = (
     "shards: torch.optim.AdamW(engine.parameters(), ...), as with FSDP2.")
 
 
-def refuse_module_conversions(engine: Any) -> None:
+def refuse_module_conversions(engine: EngineShell) -> None:
     """model.double(), model.to(dtype) on the wrapped model itself: refused as on the engine."""
     from zerolab.shell import refuse_conversion
 
-    def apply(e: Any, module: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    def apply(e: EngineShell, module: nn.Module, fn, recurse: bool = True) -> nn.Module:
         refuse_conversion(e, fn)
         return nn.Module._apply(module, fn, recurse)
 
     route(engine, engine.module, "_apply", apply)
 
 
-def hook_module_state(engine: Any) -> None:
+def hook_module_state(engine: EngineShell) -> None:
     """model.state_dict() and model.load_state_dict() on the whole model, under any engine:
     wait for parameter gathers in flight first; after a load, the masters follow."""
     model = engine.module
@@ -245,7 +248,7 @@ def hook_module_state(engine: Any) -> None:
 # submodule of a block its block's unit when called alone.
 
 
-def hook_gathered_state(engine: Any) -> None:
+def hook_gathered_state(engine: EngineShell) -> None:
     """ZeRO-3: full tensors from model.state_dict() (and any submodule's); full tensors loaded
     into the shards by model.load_state_dict(). Both are collectives (the Note above)."""
     units_of = _units_handled(engine)
@@ -283,7 +286,7 @@ def hook_gathered_state(engine: Any) -> None:
         module.register_load_state_dict_post_hook(keep_shards)
 
 
-def _units_handled(engine: Any) -> dict[nn.Module, list]:
+def _units_handled(engine: EngineShell) -> dict[nn.Module, list]:
     """{module: the units its state-dict hooks gather} for every module that has some."""
     unit_of = {p: i for i, u in enumerate(engine.units) for p in u.params}  # -> unit index
     out = {}
