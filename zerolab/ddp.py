@@ -190,6 +190,16 @@ class DDP(EngineShell):
         for bucket in self.buckets:
             bucket.reduced = False
 
+    def _reduce_rest(self) -> None:
+        """A backward starts after one that reduced some buckets and stopped at one it did not
+        complete: reduce the rest now, in order, as the ranks that completed it did (not
+        waiting: backward goes on)."""
+        order = self.reduce_order
+        if any(b.due for b in order):  # (none: no_sync(), or reduced after backward)
+            for bucket in order[self._next:]:
+                bucket.fresh = False
+                self._reduce(bucket, "bwd")
+
     def _count_afresh(self) -> None:
         """A backward starts: count each bucket's gradients from zero (the last backward may
         have left some uncounted: a parameter it did not reach)."""

@@ -99,7 +99,6 @@ class EngineShell(nn.Module):
         self._backward_seen = False  # a gradient was accumulated since the last step
         self._grads_synced = False  # this step's gradients are reduced (step or clipping did it)
         self._sync = True  # False inside no_sync(): gradients accumulate locally, unreduced
-        self._synced_backward = False  # the last backward ran with _sync (reducing as it went)
         self._accumulated = 0  # trainable parameters whose gradient this backward accumulated
         self.stepping = False  # inside step(): the optimizer's own step() runs
         self.shard_params: ShardParams | None = None  # engine.parameters() under ZeRO
@@ -167,10 +166,9 @@ class EngineShell(nn.Module):
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         """The first parameter gradient of a backward (multi-grad hook, mode "any")."""
+        if self._accumulated:  # the last backward did not reach every parameter
+            self._reduce_rest()  # what it left in the reduction order (ddp.py's Note)
         self._accumulated = 0
-        if self._backward_seen and self._synced_backward and not self._grads_synced:
-            self._sync_grads()  # the last backward left reductions to issue (ddp.py's Note)
-        self._synced_backward = self._sync
         self._count_afresh()  # the stage's
         if self.shard_params is None:
             return
