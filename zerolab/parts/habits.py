@@ -133,13 +133,14 @@ def init_state_for_dsd(engine: EngineShell) -> None:
 
 def hook_dsd(engine: EngineShell) -> None:
     """engine.module._fqn_modifiers: DSD's first question, answered by the engine's."""
-    ref, model = weakref.ref(engine), engine.module
+    ref = weakref.ref(engine)
 
-    def fqn_modifiers() -> dict[str, str]:
+    def fqn_modifiers(self: nn.Module) -> dict[str, str]:
         e = ref()
-        return {} if e is None else e._fqn_modifiers()
+        return e._fqn_modifiers() if e is not None and self is e.module else {}  # not a copy
 
-    model._fqn_modifiers = fqn_modifiers  # an instance attribute: no state dict sees it
+    # an instance attribute (no state dict sees it), bound as route() binds its methods
+    engine.module._fqn_modifiers = types.MethodType(fqn_modifiers, engine.module)
 
 
 DSD_REFUSED = (
