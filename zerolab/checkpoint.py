@@ -45,7 +45,7 @@ import socket
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from zerolab import comm
 from zerolab.parts import state_dicts
 from zerolab.parts.materialize import where
+from zerolab.shell import EngineShell  # zerolab's engines; torch's keep engines.Engine
+
+if TYPE_CHECKING:
+    from zerolab.engines import Engine
 
 LATEST = "LATEST"  # the name of the last complete version, replaced atomically
 LOCK = "LOCK"  # held (flock) by the job that saves into this folder; says who that is
@@ -70,7 +74,7 @@ class CheckpointError(RuntimeError):
 # ---- save ----------------------------------------------------------------------------------
 
 
-def save(engine, folder: str) -> str:
+def save(engine: Engine, folder: str) -> str:
     """Collective: write a new version of `engine`'s state into `folder`; returns its DCP folder.
 
     Every rank of engine.job_group writes its own chunks (HSDP's replicas write theirs once).
@@ -84,7 +88,7 @@ def save(engine, folder: str) -> str:
     version = f"save-{1 + max(_versions(folder), default=0):06d}"  # after any crashed one
     _barrier(tag, group)  # every rank chose before any creates it
     target = os.path.join(folder, version)
-    if hasattr(engine, "slots"):  # a zerolab engine: its chunks
+    if isinstance(engine, EngineShell):  # a zerolab engine: its chunks
         state_dicts.write(state_dicts.engine_state_dict(engine), target, group)
     else:  # torch's (zerolab.bench.baselines): its own state dicts, the same keys
         dcp.save(_torch_state_dict(engine), storage_writer=dcp.FileSystemWriter(target),
@@ -104,7 +108,7 @@ def _barrier(tag: str, group: dist.ProcessGroup | None) -> None:
         comm.barrier(tag=tag, group=group)
 
 
-def _torch_state_dict(engine) -> dict:
+def _torch_state_dict(engine: Engine) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model, optimizer = get_state_dict(engine.module, engine.optimizer)
@@ -298,14 +302,14 @@ def _checked(folder: str, group: dist.ProcessGroup | None, tag: str) -> tuple[st
 # ---- load ----------------------------------------------------------------------------------
 
 
-def load(engine, folder: str, strict: bool = True) -> None:
+def load(engine: Engine, folder: str, strict: bool = True) -> None:
     """Collective: restore `engine` from `folder` (a zerolab checkpoint folder, or any DCP
     folder keyed the same way: FSDP2's). strict: every key of the checkpoint's model must be
     one of the model's, as torch's load_state_dict(strict=True)."""
     group = engine.job_group
     tag = f"{getattr(engine, 'name', 'engine')}/checkpoint"
     version, metadata = _checked(folder, group, tag)
-    if not hasattr(engine, "slots"):
+    if not isinstance(engine, EngineShell):  # torch's (bench/baselines.py)
         return _load_torch(engine, version, metadata)
     where_of = state_dicts.paths(metadata)
     model, optimizer_keys, group_keys, root = _layout(where_of, metadata)
@@ -346,7 +350,7 @@ def _layout(where_of: dict[str, tuple], metadata: Metadata):
     return model, optimizer_keys, [groups[i] for i in sorted(groups)], root
 
 
-def _compare(engine, model: dict[str, TensorStorageMetadata | None], strict: bool,
+def _compare(engine: EngineShell, model: dict[str, TensorStorageMetadata | None], strict: bool,
              version: str) -> str | None:
     """Why the checkpoint's model does not fit `engine`'s, or None."""
     params, buffers = state_dicts.state_dict_keys(engine.module)
@@ -368,7 +372,7 @@ def _compare(engine, model: dict[str, TensorStorageMetadata | None], strict: boo
     return None
 
 
-def _full_shape(engine, t: torch.Tensor) -> tuple[int, ...]:
+def _full_shape(engine: EngineShell, t: torch.Tensor) -> tuple[int, ...]:
     """A parameter's full shape (ZeRO-3's are empty at rest: their layout knows it)."""
     for slot, _ in state_dicts.held(engine):
         for i, p in enumerate(slot.params):
@@ -386,7 +390,7 @@ def _prune(sd: dict) -> None:
             del sd[k]
 
 
-def _load_torch(engine, version: str, metadata: Metadata) -> None:
+def _load_torch(engine: Engine, version: str, metadata: Metadata) -> None:
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_state_dict,
@@ -438,7 +442,7 @@ def _set(sd: Any, path: tuple, value: Any) -> None:
     sd[path[-1]] = value
 
 
-def load_full(engine, full: dict[str, Any]) -> None:
+def load_full(engine: EngineShell, full: dict[str, Any]) -> None:
     """Load full tensors (consolidate's, torch.load of dcp_to_torch_save's file, or
     {"model": a plain model's state_dict}) into `engine`: each rank takes its own part."""
     problem = _compare(engine, {k: None for k in full["model"]}, False, "the state dict")

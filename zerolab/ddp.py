@@ -53,6 +53,7 @@ DEFAULT_BUCKET_BYTES = 1 << 20  # 1 MiB: small, so that the course's small model
 @dataclass
 class GradBucket(Bucket):
     fresh: bool = False  # gradients were accumulated into it since its last reduction
+    due: bool = False  # its gradients are in (this backward): reduce it once those before are
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class DDP(EngineShell):
 
     name = "ddp"  # first part of every comm tag
     Options = DDPOptions
+    _next = 0  # reduce_order[_next]: the next bucket this backward reduces
 
     # ---- set-up: what each rank holds ---------------------------------------------------------
 
@@ -139,8 +141,29 @@ class DDP(EngineShell):
             self._bucket_ready(bucket)
 
     def _bucket_ready(self, bucket: GradBucket) -> None:
-        """The last gradient of `bucket` has arrived: start reducing it, backward goes on."""
+        """The last gradient of `bucket` has arrived: start reducing it, backward goes on
+        (after the buckets before it in the reduction order: the Note below)."""
         if self._sync:
+            bucket.due = True
+            self._reduce_due()
+
+    # Note: one order on every rank. Collectives pair up by the order each rank issues them,
+    # so the buckets are reduced in one fixed order (`reduce_order`, about backward's), as
+    # torch's DDP reducer does: a bucket whose gradients are in waits for those before it. A
+    # rank whose backward did not reach a parameter (a branch the other ranks took) stops at its
+    # bucket, and reduces the rest, that gradient as zeros, when the gradients are next read
+    # (step(), clipping, parameters(), the next backward), in the same order; the ranks that
+    # went on wait for it there. The result is the single process's, as with FSDP2.
+
+    @property
+    def reduce_order(self) -> list[GradBucket]:
+        return self.buckets
+
+    def _reduce_due(self) -> None:
+        order = self.reduce_order
+        while self._next < len(order) and order[self._next].due:
+            bucket = order[self._next]
+            self._next += 1
             bucket.fresh = False  # what it holds goes into this reduction
             self._reduce(bucket, "bwd")
 
@@ -158,13 +181,31 @@ class DDP(EngineShell):
             raise RuntimeError(f"{type(self).__name__}.step() (or clip_grad_norm_()) was called "
                                "before backward(): no gradient has been computed since the last "
                                "step. Call loss.backward() first.")
-        for bucket in self.buckets:  # unused in backward, or added to since (under no_sync)
+        for bucket in self.reduce_order:  # unused in backward, or added to since (no_sync)
             if not bucket.reduced or bucket.fresh:
                 bucket.fresh = False
                 self._reduce(bucket, "step")
         self._wait_pending()
+        self._count_afresh()
         for bucket in self.buckets:
-            bucket.ready, bucket.reduced = 0, False
+            bucket.reduced = False
+
+    def _reduce_rest(self) -> None:
+        """A backward starts after one that reduced some buckets and stopped at one it did not
+        complete: reduce the rest now, in order, as the ranks that completed it did (not
+        waiting: backward goes on)."""
+        order = self.reduce_order
+        if any(b.due for b in order):  # (none: no_sync(), or reduced after backward)
+            for bucket in order[self._next:]:
+                bucket.fresh = False
+                self._reduce(bucket, "bwd")
+
+    def _count_afresh(self) -> None:
+        """A backward starts: count each bucket's gradients from zero (the last backward may
+        have left some uncounted: a parameter it did not reach)."""
+        self._next = 0
+        for bucket in self.buckets:
+            bucket.ready, bucket.due = 0, False
 
     def _wait_pending(self) -> None:
         for handle, on_done in self._pending:

@@ -32,10 +32,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from zerolab.memory import MemoryTrace, SavedForBackward, _Tracker, track_memory
+
+if TYPE_CHECKING:  # the engine contract: the shell (a cycle at run time)
+    from zerolab.shell import EngineShell
 
 ROWS = ("params", "buffers", "inputs", "grads", "optimizer", "padding", "activations",
         "activation grads", "forward temporaries", "step temporaries", "comm")
@@ -75,7 +79,7 @@ class _LedgerTracker(_Tracker):
     """zerolab.memory's tracker, which also remembers when each storage was made, and keeps
     what was alive, and in which category, at the peak."""
 
-    def __init__(self, engine, inputs: list[torch.Tensor], trace: MemoryTrace) -> None:
+    def __init__(self, engine: EngineShell, inputs: list[torch.Tensor], trace: MemoryTrace) -> None:
         super().__init__(lambda: {**engine.state_tensors(),
                                   "buffers": list(engine.module.buffers()), "inputs": inputs},
                          trace, activations=True)
@@ -134,12 +138,12 @@ class _LedgerTracker(_Tracker):
             self.grads_at_peak.add(id(storage))  # alive at the peak, a gradient only now
 
 
-def padding(engine) -> dict[str, int]:
+def padding(engine: EngineShell) -> dict[str, int]:
     """Bytes this rank holds now in the padding of flat buffers, by category: the gathered
     flat_param and full flat_grad past numel, its shards' part past numel (where a shard is a
     storage of its own), and the optimizer state of those elements."""
     out = dict.fromkeys(("params", "grads", "optimizer"), 0)
-    units = getattr(engine, "units", None)
+    units = engine.units  # ZeRO-3's: every flat bucket, frozen ones too
     buckets = [b for u in units for b in u.buckets] if units else list(engine.buckets)
     seen: set[int] = set()
 
@@ -173,7 +177,7 @@ def padding(engine) -> dict[str, int]:
     return out
 
 
-def measure(engine, x: torch.Tensor, y: torch.Tensor, loss_fn=None) -> Ledger:
+def measure(engine: EngineShell, x: torch.Tensor, y: torch.Tensor, loss_fn=None) -> Ledger:
     """One training step of `engine` on (x, y) (forward, backward, step(), wait_params(); no
     zero_grad) under the ledger's tracker; every rank of the engine calls it."""
     loss_fn = loss_fn or engine.module.loss

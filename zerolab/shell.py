@@ -46,8 +46,11 @@ from zerolab.parts.arguments import check_engine_arguments, check_optimizer, ele
 from zerolab.parts.buffers import BufferSync, broadcast_coalesced
 from zerolab.parts.clipping import clip_grad_norm_
 from zerolab.parts.habits import (
+    DSD_REFUSED,
     guard_user_optimizers,
+    hook_dsd,
     hook_module_state,
+    init_state_for_dsd,
     refuse_module_conversions,
     route_optimizer,
 )
@@ -61,6 +64,7 @@ from zerolab.parts.storages import model_state_bytes
 from zerolab.parts.tiles import OptimizerTiles, default_tile_numel
 from zerolab.parts.whole_params import WholeParams, refuse_group_optimizers
 from zerolab.sharding import Bucket, Slot
+from zerolab.units import Unit
 
 
 class EngineShell(nn.Module):
@@ -69,6 +73,7 @@ class EngineShell(nn.Module):
     _materialize, _make_buckets, _shard_model, _slots, then _hook_modules."""
 
     shards_params = False  # ZeRO-1/2/3: parameters() gives this rank's shards (DTensors)
+    units: Sequence[Unit] = ()  # ZeRO-3's units (units.py); none in the other stages
     grads_in_buckets = True  # every .grad is a view into its bucket's flat_grad (not ZeRO-2/3)
     params_whole_at_rest = True  # every rank holds every parameter between steps (not ZeRO-3)
     steps_whole_params = True  # ZeRO-1/2/3: a matrix optimizer steps parameters whole (below)
@@ -137,6 +142,7 @@ class EngineShell(nn.Module):
         route_optimizer(self)  # optimizer.step(), .zero_grad(), model.zero_grad(): the engine's
         guard_user_optimizers(self)
         refuse_module_conversions(self)
+        hook_dsd(self)  # get_state_dict(engine.module, engine.optimizer)
         # Final parameter objects (a meta model's were replaced), listed once for the tracker
         self._params = list(model.parameters())
 
@@ -171,7 +177,10 @@ class EngineShell(nn.Module):
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         """The first parameter gradient of a backward (multi-grad hook, mode "any")."""
+        if self._accumulated:  # the last backward did not reach every parameter
+            self._reduce_rest()  # what it left in the reduction order (ddp.py's Note)
         self._accumulated = 0
+        self._count_afresh()  # the stage's
         if self.shard_params is None:
             return
         # A user's optimizer.zero_grad() over the shard parameters set their .grad to None:
@@ -286,10 +295,20 @@ class EngineShell(nn.Module):
     def shards_stepped_outside(self) -> None:
         """A user's optimizer stepped engine.parameters() (this rank's shards): the step is
         done, so re-sync the parameters as step() would (ZeRO-1/2 all-gather them)."""
-        self._after_step()
+        self.resync_params()
         self._backward_seen = self._grads_synced = False
 
-    def _sync_if_backward(self) -> None:
+    def resync_params(self) -> None:
+        """The shards changed outside step() (a user's optimizer, a load): every rank's
+        parameters from them again (the stage's _after_step: ZeRO-1/2 all-gather)."""
+        self._after_step()
+
+    @property
+    def backward_seen(self) -> bool:
+        """A backward accumulated gradients since the last step."""
+        return self._backward_seen
+
+    def sync_if_backward(self) -> None:
         """Reduce a finished backward's gradients now, unless inside no_sync()."""
         if self._backward_seen and self._sync and not self._grads_synced:
             self._sync_grads()
@@ -316,15 +335,26 @@ class EngineShell(nn.Module):
         """DDP: the model's parameters ("module.<name>", torch DDP's names). ZeRO-1/2/3: the
         shards this rank steps, one DTensor per flat bucket ("module.<bucket>": parts/
         shard_params.py), as FSDP2 gives each rank's shards."""
-        self._sync_if_backward()  # whoever reads .grad next reads the reduced gradients
+        self.sync_if_backward()  # whoever reads .grad next reads the reduced gradients
         if not self.shards_params:
             yield from super().named_parameters(prefix, recurse, remove_duplicate)
+            return
+        if not recurse:  # the engine's own: none (its shards stand for the module's)
             return
         if self.shard_params is None:
             self.shard_params = ShardParams.of(self)
             self.shard_params.bind_grads()
         for name, p in self.shard_params.named():
             yield (f"{prefix}.{name}" if prefix else name), p
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """torch.distributed.checkpoint.state_dict (get_state_dict, set_state_dict) asks every
+        module for this first: a sharded engine refuses there, DDP makes its optimizer's state
+        (parts/habits.py, the Note on DSD)."""
+        if self.shards_params:
+            raise RuntimeError(DSD_REFUSED.format(type(self).__name__))
+        init_state_for_dsd(self)
+        return {}
 
     def _apply(self, fn, recurse: bool = True):
         refuse_conversion(self, fn)

@@ -11,21 +11,18 @@ What changes from ZeRO-2 (zero2.py):
   (post_backward), the storage is resized to zero again. At any moment a rank holds the shards
   plus the one or two units it is working on.
 - post_backward is ZeRO-2's bucket hook: a unit's last gradient in, reduce-scatter, reshard.
-- No all-gather after the step: the next forward gathers what it needs.
+  No all-gather after the step: the next forward gathers what it needs.
 - Traffic per step: all-gather in forward (Ψ), again in backward (Ψ), reduce-scatter (Ψ): 3Ψ,
-  1.5x DDP's 2Ψ, the price of holding 1/N of the parameters; less the root's backward gather:
-  backward starts with the root (embeddings, head), kept gathered as FSDP2 keeps its root.
-- Prefetch (on by default): when a unit starts, the all-gather of the next unit (next in forward,
-  previous in backward) is issued asynchronously, so communication overlaps compute.
-- One bucket per unit (per parameter group and dtype): ZeRO-3 reduces a unit's gradients
-  when its backward is over, so `bucket_bytes` has no meaning here and is refused.
+  1.5x DDP's 2Ψ; less the root's backward gather (kept gathered, as FSDP2 keeps its root).
+- Prefetch (on by default): when a unit starts, the next unit's all-gather (in forward; the
+  previous unit's in backward) is issued asynchronously, so communication overlaps compute.
+- One bucket per unit (per parameter group and dtype), so `bucket_bytes` is refused.
 - model.state_dict() gathers full tensors; model.load_state_dict(full) fills the shards.
 - reshard_after_forward=False (FSDP2's knob): units stay gathered from forward to backward:
   2Ψ per step, the whole model's parameters at the peak. (FSDP2's int is ZeRO++'s hpZ.)
 
-ZeRO++ (zeropp.py) subclasses this file: it changes how weights travel (`_gather`) and how
-gradients are reduced (`_reduce`), not when. `make_units` (units.py) decides each unit's
-parameters, and the root's (the model itself: embeddings, final LayerNorm, shared weights).
+ZeRO++ (zeropp.py) changes how weights travel (`_gather`) and how gradients are reduced
+(`_reduce`), not when. units.py decides each unit's parameters, and the root's.
 """
 
 from __future__ import annotations
@@ -39,7 +36,8 @@ from torch import nn
 
 from zerolab import comm
 from zerolab.parts.arguments import refuse_unit_arguments
-from zerolab.parts.habits import hook_gathered_state
+from zerolab.parts.at_rest import AtRest
+from zerolab.parts.habits import hook_gathered_state, keep_last
 from zerolab.parts.materialize import materialize, materialize_flat, param_names
 from zerolab.parts.nest import tensors_in
 from zerolab.parts.param_groups import bucket_params
@@ -75,9 +73,8 @@ class ZeRO3(ZeRO2):
     # ---- set-up: each unit's shards -----------------------------------------------------------
 
     def _make_buckets(self) -> list[GradShardedBucket]:
-        """The units (units.py: which parameters each gathers, the root last); per unit, a flat
-        bucket of its trainable parameters (reduced and stepped) and one of its frozen ones
-        (sharded, never reduced); one per group and dtype (param_groups.py)."""
+        """The units (units.py, the root last); per unit, a flat bucket of its trainable
+        parameters and one of its frozen ones (never reduced); one per group and dtype."""
         self.units = make_units(self.module, self.options.units)
         self.root = self.units[-1]
         self._ready: dict[str, int] = {}  # unit name -> its buckets reduced in this backward
@@ -92,14 +89,18 @@ class ZeRO3(ZeRO2):
         self._unit_of = {b.name: u for u in self.units for b in u.buckets}
         return [b for u in self.units for b in u.buckets if b.params[0].requires_grad]
 
-    def _materialize(self) -> None:
-        """Only the buffers now: a meta model's parameters are built unit by unit in
-        _shard_model, so that no rank ever holds the whole model (parts/materialize.py)."""
+    @property
+    def reduce_order(self) -> list[GradShardedBucket]:  # backward's: blocks last first, root
+        return [b for u in (*self.units[-2::-1], self.root) for b in u.buckets
+                if b.params[0].requires_grad]
+
+    def _materialize(self) -> None:  # buffers only: _shard_model builds a meta model's units
         materialize(self.module, self.device, params=False)
 
     def _shard_model(self) -> None:
         """Give each rank its own shard of every flat_param, then free the full buffers."""
         self._start_gathers()  # ZeRO-1's
+        self.at_rest = AtRest()  # no write to a freed parameter is lost (parts/at_rest.py)
         names = param_names(self.module)
         for unit in self.units:
             for b in unit.buckets:
@@ -135,6 +136,7 @@ class ZeRO3(ZeRO2):
             handle.wait()
         unit.gathers.clear()
         for b in unit.buckets:
+            self.at_rest.check(b.params, type(self).__name__)
             for p, view in zip(b.params, unflatten(b.flat_param, b.layout)):
                 p.data = view
         unit.unsharded = True
@@ -154,6 +156,7 @@ class ZeRO3(ZeRO2):
         for b in unit.buckets:
             for p in b.params:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            self.at_rest.freed(b.params)
             # Resizing the storage (rather than dropping the tensor) frees the memory even where
             # autograd saved a view of a parameter for backward; unshard refills the same storage.
             b.flat_param.untyped_storage().resize_(0)
@@ -162,18 +165,17 @@ class ZeRO3(ZeRO2):
     # ---- the hooks, in the order they run -----------------------------------------------------
 
     def _hook_modules(self) -> None:
-        """Each unit's modules: unshard before their forward, reshard after it."""
+        """Each unit's modules: unshard before their forward, reshard after it (and after any
+        forward hook registered later: parts/habits.py, keep_last)."""
         for unit in self.units:
             for module in unit.modules:
                 module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
-                module.register_forward_hook(
-                    lambda m, args, out, u=unit: self.post_forward(u, out))
+                keep_last(module, lambda m, args, out, u=unit: self.post_forward(u, out))
 
-    # Note: with activation checkpointing (torch.utils.checkpoint on a unit), backward runs the
-    # unit's forward again to recompute what it did not keep, firing its forward hooks after
-    # pre_backward gathered it: pre_forward must not prefetch the *next* unit (forward's order)
-    # nor post_forward reshard what backward is about to use. As FSDP2's, a unit remembers it
-    # is in backward, and its forward hooks do nothing until post_backward.
+    # Note: under activation checkpointing, backward runs a unit's forward again (its forward
+    # hooks too) after pre_backward gathered it: pre_forward must not prefetch forward's next
+    # unit, nor post_forward reshard what backward is about to use. As FSDP2's, a unit knows
+    # it is in backward, and its forward hooks do nothing until post_backward.
 
     def pre_forward(self, unit: Unit) -> None:
         if unit.in_backward:  # a checkpoint's recompute: pre_backward gathered it
@@ -193,8 +195,7 @@ class ZeRO3(ZeRO2):
                 t.register_hook(lambda grad, u=unit: self.pre_backward(u))
 
     def _freed_after_forward(self, unit: Unit, output) -> list[Unit]:
-        """The unit; after the root's (the model's) forward, every unit but the root when a
-        backward follows: backward starts with it (the head), as FSDP2's root."""
+        """The unit; after the root's forward, every unit but the root if a backward follows."""
         if unit is not self.root:
             return [unit]
         keep = self.keeps_root and any(t.requires_grad for t in tensors_in(output))
@@ -226,12 +227,13 @@ class ZeRO3(ZeRO2):
         i = order.index(unit) + step
         return order[i] if 0 <= i < len(order) else None
 
-    # ---- step and state ------------------------------------------------------------------------
-
     def _finish_backward(self) -> None:
         super()._finish_backward()  # reduces what backward did not (unused parameters)
         for unit in self.units:  # units with frozen parameters only, and unused prefetches
             self.post_backward(unit)
+
+    def _count_afresh(self) -> None:  # a backward starts (ddp.py)
+        super()._count_afresh()
         self._ready.clear()
 
     def _after_step(self) -> None:  # nothing to gather: each forward gathers its units

@@ -21,13 +21,16 @@ has none; models.MLP has one (`input_shift`, a constant, sent anyway, as torch's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zerolab import comm
+
+if TYPE_CHECKING:  # the engine contract: the shell (a cycle at run time)
+    from zerolab.shell import EngineShell
 
 
 class BufferSync:
@@ -39,7 +42,7 @@ class BufferSync:
         self.next_forward = True  # torch's require_forward_param_sync: the first forward syncs
 
     @classmethod
-    def attach(cls, engine: Any, enabled: bool) -> BufferSync:
+    def attach(cls, engine: EngineShell, enabled: bool) -> BufferSync:
         """Hook engine.module's forward: broadcast before it (over every rank of the job: HSDP's
         replicas too), and decide after it whether the next forward broadcasts."""
         sync = cls(engine.module, enabled)
@@ -50,7 +53,7 @@ class BufferSync:
 
         def after(module: nn.Module, args, output) -> None:
             if module is engine.module:
-                sync.after_forward(engine._sync)
+                sync.after_forward(engine.require_backward_grad_sync)
 
         engine.module.register_forward_pre_hook(before)
         engine.module.register_forward_hook(after)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -33,6 +33,9 @@ from torch.optim.optimizer import (
 
 from zerolab.parts.arguments import elementwise
 from zerolab.sharding import shard
+
+if TYPE_CHECKING:  # the engine contract: the shell (a cycle at run time)
+    from zerolab.shell import EngineShell
 
 # Note: zeroing gradients, three spellings. torch users zero through the model
 # (`model.zero_grad()`, which sets every `.grad` to None), through the optimizer
@@ -52,7 +55,7 @@ from zerolab.sharding import shard
 # engine warns that it does, naming the calls that zero (zero2.py, NOT_ZEROED).
 
 
-def route(engine: Any, obj: Any, name: str, method: Callable[..., Any]) -> None:
+def route(engine: EngineShell, obj: Any, name: str, method: Callable[..., Any]) -> None:
     """Make obj.name(...) call method(engine, obj, ...) while obj is the engine's own (its
     module or optimizer); a deep copy of obj, or obj after the engine is gone, gets torch's
     method back. Bound to obj itself, so that copy.deepcopy binds the copy's to the copy; the
@@ -69,14 +72,14 @@ def route(engine: Any, obj: Any, name: str, method: Callable[..., Any]) -> None:
     setattr(obj, name, types.MethodType(routed, obj))
 
 
-def route_optimizer(engine: Any) -> None:
+def route_optimizer(engine: EngineShell) -> None:
     """Make engine.module.zero_grad(), engine.optimizer.zero_grad() and engine.optimizer.step()
     the engine's; engine.optimizer.state_dict() refuses where one rank's cannot resume."""
 
-    def zero_grad(e: Any, obj: Any, set_to_none: bool = True) -> None:
+    def zero_grad(e: EngineShell, obj: Any, set_to_none: bool = True) -> None:
         e.zero_grad(set_to_none)
 
-    def step(e: Any, optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
+    def step(e: EngineShell, optimizer: torch.optim.Optimizer, closure=None, **kwargs) -> Any:
         if e.stepping:  # the engine's own call, from inside engine.step()
             return type(optimizer).step(optimizer, closure, **kwargs)
         if closure is not None:
@@ -86,7 +89,7 @@ def route_optimizer(engine: Any) -> None:
                             "loss.backward(), then optimizer.step() with no argument.")
         e.step()
 
-    def state_dict(e: Any, optimizer: torch.optim.Optimizer) -> dict:
+    def state_dict(e: EngineShell, optimizer: torch.optim.Optimizer) -> dict:
         if e.shards_params and e.world_size > 1:
             raise RuntimeError(ONE_RANKS_STATE.format(type(e).__name__))
         return type(optimizer).state_dict(optimizer)
@@ -97,12 +100,54 @@ def route_optimizer(engine: Any) -> None:
     route(engine, engine.optimizer, "state_dict", state_dict)
 
 
+RESUME = (
+    "Save every rank's part with zerolab.checkpoint.save(engine, folder) (any world size on "
+    "load), or torch.save(engine.rank_state_dict(), f'rank{{rank}}.pt') on every rank (the same "
+    "world size); model.module.state_dict() (a collective under ZeRO-3) holds the full weights.")
 ONE_RANKS_STATE = (
     "{0}.optimizer.state_dict(): this rank's optimizer holds the state of its own shards only, "
-    "which cannot resume the other ranks (torch's ZeroRedundancyOptimizer refuses it too). Save "
-    "every rank's part with zerolab.checkpoint.save(engine, folder) (any world size on load), "
-    "or torch.save(engine.rank_state_dict(), f'rank{{rank}}.pt') on every rank (the same world "
-    "size); model.module.state_dict() (a collective under ZeRO-3) holds the full weights.")
+    "which cannot resume the other ranks (torch's ZeroRedundancyOptimizer refuses it too, and "
+    "torch.distributed.checkpoint.state_dict.get_state_dict calls it). " + RESUME)
+# Note: torch's get_state_dict(model, optimizer) keys the optimizer's state by the parameters
+# it steps, named by model.named_parameters(): FSDP2's optimizer steps the model's own DTensor
+# parameters. A ZeRO engine's optimizer steps flat shards that run through several parameters,
+# which no name of the model's stands for: torch's code would fail on them (KeyError: 0), so
+# the engine refuses first. (DDP's optimizer steps the parameters themselves: it works.)
+# DSD gives a fresh optimizer its state (one step at lr 0 on zero gradients) where no parameter
+# has a .grad, so that a load has tensors to fill; DDP's parameters always have one (views of
+# its buckets, zero before any backward), so DSD would skip it and a resumed engine would start
+# without Adam's moments, silently. The engine does what DSD would, when DSD asks for
+# `_fqn_modifiers` (its first question to every module): of the engine, or of engine.module.
+
+
+def init_state_for_dsd(engine: EngineShell) -> None:
+    optimizer = engine.optimizer
+    if optimizer.state or engine.backward_seen:  # a step made it, or gradients are not zero
+        return
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    type(optimizer).step(optimizer)  # torch's step: engine.step() would want a backward first
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+
+
+def hook_dsd(engine: EngineShell) -> None:
+    """engine.module._fqn_modifiers: DSD's first question, answered by the engine's."""
+    ref = weakref.ref(engine)
+
+    def fqn_modifiers(self: nn.Module) -> dict[str, str]:
+        e = ref()
+        return e._fqn_modifiers() if e is not None and self is e.module else {}  # not a copy
+
+    # an instance attribute (no state dict sees it), bound as route() binds its methods
+    engine.module._fqn_modifiers = types.MethodType(fqn_modifiers, engine.module)
+
+
+DSD_REFUSED = (
+    "torch.distributed.checkpoint.state_dict's get_state_dict/set_state_dict({0}, ...): {0}'s "
+    "optimizer steps flat shards that cut parameters apart, which torch's code cannot key by "
+    "the model's parameter names. " + RESUME)
 
 
 # Note: a torch optimizer the user builds. torch's DDP averages every .grad before backward
@@ -117,12 +162,12 @@ ONE_RANKS_STATE = (
 # step; the engine's own optimizer is let through at once.
 
 
-def guard_user_optimizers(engine: Any) -> None:
+def guard_user_optimizers(engine: EngineShell) -> None:
     """Refuse torch optimizers stepping what the engine shards; note those stepping its shards."""
     ref = weakref.ref(engine)
     module_params = {id(p) for p in engine.module.parameters()}
 
-    def reached(e: Any, optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
+    def reached(e: EngineShell, optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
         """(it steps the model's own parameters, it steps the engine's shard parameters)"""
         ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
         shards = e.shard_params is not None and not ids.isdisjoint(e.shard_params.ids)
@@ -134,7 +179,7 @@ def guard_user_optimizers(engine: Any) -> None:
             return
         model, shards = reached(e, optimizer)
         if model or shards:
-            e._sync_if_backward()  # gradients reduced before anyone steps on them
+            e.sync_if_backward()  # gradients reduced before anyone steps on them
         if model and e.shards_params:
             raise RuntimeError(WRONG_PARAMS.format(type(e).__name__))
         if shards and not elementwise(type(optimizer)):
@@ -173,18 +218,18 @@ OWN_MATRIX_OPTIMIZER = (
     "Muon refuses 1-D shards itself, when it is built.)")
 
 
-def refuse_module_conversions(engine: Any) -> None:
+def refuse_module_conversions(engine: EngineShell) -> None:
     """model.double(), model.to(dtype) on the wrapped model itself: refused as on the engine."""
     from zerolab.shell import refuse_conversion
 
-    def apply(e: Any, module: nn.Module, fn, recurse: bool = True) -> nn.Module:
+    def apply(e: EngineShell, module: nn.Module, fn, recurse: bool = True) -> nn.Module:
         refuse_conversion(e, fn)
         return nn.Module._apply(module, fn, recurse)
 
     route(engine, engine.module, "_apply", apply)
 
 
-def hook_module_state(engine: Any) -> None:
+def hook_module_state(engine: EngineShell) -> None:
     """model.state_dict() and model.load_state_dict() on the whole model, under any engine:
     wait for parameter gathers in flight first; after a load, the masters follow."""
     model = engine.module
@@ -216,7 +261,7 @@ def hook_module_state(engine: Any) -> None:
 # submodule of a block its block's unit when called alone.
 
 
-def hook_gathered_state(engine: Any) -> None:
+def hook_gathered_state(engine: EngineShell) -> None:
     """ZeRO-3: full tensors from model.state_dict() (and any submodule's); full tensors loaded
     into the shards by model.load_state_dict(). Both are collectives (the Note above)."""
     units_of = _units_handled(engine)
@@ -254,7 +299,7 @@ def hook_gathered_state(engine: Any) -> None:
         module.register_load_state_dict_post_hook(keep_shards)
 
 
-def _units_handled(engine: Any) -> dict[nn.Module, list]:
+def _units_handled(engine: EngineShell) -> dict[nn.Module, list]:
     """{module: the units its state-dict hooks gather} for every module that has some."""
     unit_of = {p: i for i, u in enumerate(engine.units) for p in u.params}  # -> unit index
     out = {}
@@ -266,3 +311,23 @@ def _units_handled(engine: Any) -> dict[nn.Module, list]:
         if units:
             out[m] = units
     return out
+
+
+def keep_last(module: nn.Module, hook: Callable[..., Any]) -> None:
+    """Register `hook` as a forward hook of `module` that stays its last one: a forward hook a
+    user registers on the module later runs before it. torch runs forward hooks in the order
+    they were registered, so ZeRO-3's post_forward (which frees the unit's full weights) would
+    otherwise run before a hook added after wrapping, which would see 0-element weights; FSDP2's
+    user sees what the forward computed with, and so does this one. Forward pre-hooks need
+    nothing: the engine's (unshard) was registered first and runs first."""
+    torch_register = type(module).register_forward_hook
+    handle = [torch_register(module, hook)]
+
+    def register(self: nn.Module, user_hook: Callable[..., Any], *args: Any, **kwargs: Any):
+        added = torch_register(self, user_hook, *args, **kwargs)
+        if self is module:  # not a copy of it (copy.deepcopy rebinds this method to the copy)
+            handle[0].remove()
+            handle[0] = torch_register(self, hook)  # registered again: last
+        return added
+
+    module.register_forward_hook = types.MethodType(register, module)

@@ -5,7 +5,7 @@ size. The pieces are state_dicts.py's Chunks: rectangles of the full tensors thi
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -20,8 +20,11 @@ from zerolab.parts.state_dicts import (
     targets,
 )
 
+if TYPE_CHECKING:  # the engine contract: the shell (a cycle at run time)
+    from zerolab.shell import EngineShell
 
-def rank_state_dict(engine) -> dict:
+
+def rank_state_dict(engine: EngineShell) -> dict:
     """This rank's part of `engine`'s state, copied, in plain types (torch.save and
     torch.load(weights_only=True) take it): engine_state_dict's, each Chunks as {"shape": the
     full tensor's, "dtype": its name, "pieces": [(offsets, a copy of the piece)]}. No
@@ -45,7 +48,7 @@ def rank_state_dict(engine) -> dict:
 WHOSE = "zerolab_part"  # which engine, world size and rank a part belongs to
 
 
-def _whose(engine) -> dict[str, Any]:
+def _whose(engine: EngineShell) -> dict[str, Any]:
     # The job's ranks (HSDP's engine.rank is its rank in its shard group)
     if not dist.is_initialized():  # one process, no process group
         return {"engine": type(engine).__name__, "rank": 0, "world_size": 1}
@@ -57,7 +60,7 @@ def _is_pieces(x: Any) -> bool:
     return isinstance(x, dict) and set(x) == {"shape", "dtype", "pieces"}
 
 
-def load_rank_state_dict(engine, sd: dict) -> None:
+def load_rank_state_dict(engine: EngineShell, sd: dict) -> None:
     """Load what `rank_state_dict` gave on this rank (the same engine, world size and rank):
     each piece back into its place, the optimizer's state into its tiles, then the full
     parameters gathered from the shards where the stage keeps them whole (ZeRO-1/2)."""
@@ -77,7 +80,7 @@ def load_rank_state_dict(engine, sd: dict) -> None:
     engine.wait_params()
     fill(loading.sd, {MODEL: sd[MODEL], OPTIMIZER: optimizer}, _from_pieces)
     finish_load(engine, loading)
-    engine._after_step()  # ZeRO-1/2: every rank's shard into the full parameters
+    engine.resync_params()  # ZeRO-1/2: every rank's shard into the full parameters
     engine.wait_params()
 
 

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zerolab.sharding import Slot
+
+if TYPE_CHECKING:  # the engine contract: the shell (a cycle at run time)
+    from zerolab.shell import EngineShell
 
 
 @dataclass
@@ -33,7 +37,7 @@ class ShardParams:
     mesh: object | None  # the DeviceMesh of the engine's group (None without a process group)
 
     @classmethod
-    def of(cls, engine) -> ShardParams:
+    def of(cls, engine: EngineShell) -> ShardParams:
         slots = list(engine.slots) + list(engine.frozen_slots())
         mesh = None
         if dist.is_initialized():
@@ -64,14 +68,10 @@ class ShardParams:
         return {id(p) for p in self.params}
 
 
-def _bucket_name(engine, slot: Slot) -> str:
-    for b in getattr(engine, "buckets", []):
-        if b.local_shard is slot.tensor:
+def _bucket_name(engine: EngineShell, slot: Slot) -> str:
+    for b in [*engine.buckets, *(b for u in engine.units for b in u.buckets)]:
+        if b.local_shard is slot.tensor:  # (ZeRO-3's frozen buckets are the units')
             return b.name
-    for u in getattr(engine, "units", []):  # ZeRO-3's frozen buckets are the units'
-        for b in u.buckets:
-            if b.local_shard is slot.tensor:
-                return b.name
     return f"shard{id(slot.tensor)}"
 
 

@@ -34,7 +34,7 @@ import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,9 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from zerolab.parts.whole_params import refuse_optimizer_state
 from zerolab.sharding import Slot
+
+if TYPE_CHECKING:  # the engine contract: the shell (a cycle at run time)
+    from zerolab.shell import EngineShell
 
 MODEL, OPTIMIZER = "model", "optimizer"  # the top-level keys (torchtitan's)
 Path = tuple[Any, ...]  # where a value sits in a nested state dict: ("model", "wte.weight")
@@ -148,7 +151,7 @@ def state_dict_keys(module: nn.Module) -> tuple[dict[str, nn.Parameter], dict[st
     return params, buffers
 
 
-def held(engine) -> list[tuple[Slot, torch.Tensor]]:
+def held(engine: EngineShell) -> list[tuple[Slot, torch.Tensor]]:
     """(slot, the fp32 tensor holding its values): the trainable slots with their masters (what
     the optimizer steps), then the frozen ones with their own tensors."""
     return [*zip(engine.slots, engine.masters), *((s, s.tensor) for s in engine.frozen_slots())]
@@ -159,7 +162,7 @@ def _shapes(slot: Slot) -> list[torch.Size]:
     return [p.shape for p in slot.params] if slot.layout is None else list(slot.layout.shapes)
 
 
-def engine_state_dict(engine) -> dict:
+def engine_state_dict(engine: EngineShell) -> dict:
     """This rank's part of the engine's model and optimizer, as Chunks of the full tensors
     (views of the masters; the optimizer state joined from its tiles), plain tensors (buffers,
     Adam's step) and the param groups. Collective-free; call engine.wait_params() first."""
@@ -191,7 +194,7 @@ def engine_state_dict(engine) -> dict:
     return {MODEL: model, OPTIMIZER: {"state": state, "param_groups": param_groups(engine)}}
 
 
-def param_groups(engine) -> list[dict[str, Any]]:
+def param_groups(engine: EngineShell) -> list[dict[str, Any]]:
     """The optimizer's param groups as torch's state dicts write them: the options, and the
     names of the parameters in each group (a group's tiles -> masters -> slots -> parameters)."""
     first_name = {p: n for n, p in engine.module.named_parameters()}
@@ -331,7 +334,7 @@ class Targets:
 TensorKind = tuple[torch.Size, torch.dtype] | None  # a saved tensor's shape, dtype; None: not one
 
 
-def targets(engine, optimizer_keys: dict[str, dict[str, TensorKind]],
+def targets(engine: EngineShell, optimizer_keys: dict[str, dict[str, TensorKind]],
             group_keys: list[list[str]]) -> Targets:
     """Load targets for `engine`. optimizer_keys: per parameter name, its optimizer state keys
     in the checkpoint, with what each is; group_keys: per param group saved, its keys. Every
@@ -382,7 +385,7 @@ def targets(engine, optimizer_keys: dict[str, dict[str, TensorKind]],
                    per_master)
 
 
-def check_saved_optimizer(engine, optimizer_keys: dict[str, dict[str, TensorKind]],
+def check_saved_optimizer(engine: EngineShell, optimizer_keys: dict[str, dict[str, TensorKind]],
                           saved_groups: int) -> None:
     """A checkpoint's optimizer loads only into the same kind of optimizer, with as many
     parameter groups: another optimizer's state would fail at the next step, and groups
@@ -414,7 +417,7 @@ def _state_keys(optimizer: torch.optim.Optimizer) -> set[str]:
     return set(one.state[probe])
 
 
-def finish_load(engine, loaded: Targets) -> None:
+def finish_load(engine: EngineShell, loaded: Targets) -> None:
     """After the targets are filled: the optimizer state into the optimizer's tiles, the
     options into its param groups, each stepped tensor from its master where they differ."""
     state = loaded.sd.get(OPTIMIZER, {}).get("state", {})
@@ -463,7 +466,7 @@ def _from_full(key: Any, chunks: Chunks, full: torch.Tensor) -> None:
         t.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))])
 
 
-def load_engine_state_dict(engine, full: dict) -> None:
+def load_engine_state_dict(engine: EngineShell, full: dict) -> None:
     """Load a full state dict (torch's keys: {"model": .., "optimizer": {"state": ..,
     "param_groups": ..}}, the optimizer optional) into `engine`: each rank copies its part."""
     params, _ = state_dict_keys(engine.module)
