@@ -19,7 +19,7 @@ FLOOR = 1e-6  # SGD at 2 ranks: reduction order leaves rounding only (contract.p
 
 def test_a_branch_taken_on_one_rank_counts_missing_gradients_as_zeros():
     """Each micro-step one rank of two takes a branch (a Linear inside a ZeRO-3 unit, one in
-    the root), the other leaves its parameters without gradient: DDP, ZeRO-1 and ZeRO-2 issue
+    the root), the other leaves its parameters without gradient: DDP and ZeRO-2 issue
     their reductions in one order on every rank and land on the single process's result, with
     no_sync() and with two synced backward passes before a step (ZeRO-3: workers/torch_state.py)."""
     ref = T.branch_reference()
@@ -27,6 +27,16 @@ def test_a_branch_taken_on_one_rank_counts_missing_gradients_as_zeros():
     for rank, r in enumerate(results):
         for key in T.BRANCH_ENGINES:
             assert max_diff(r[key], ref) < FLOOR, (key, rank, max_diff(r[key], ref))
+
+
+def test_zero1_refuses_a_branch_left_unreduced_between_two_backward_passes():
+    """ZeRO-1 reduce-scatters in place: reducing the rest when the next backward starts trained
+    1.6e-2 off one process, so it refuses there, naming what works."""
+    with pytest.raises(zerolab.LaunchError) as raised:
+        zerolab.launch(T.run_branch_zero1, 2, timeout=120)
+    said = str(raised.value)
+    assert "ZeRO1: the last backward gave no gradient to some parameters on this rank" in said
+    assert "engine.no_sync()" in said and "zerolab.ZeRO2" in said
 
 
 def test_get_and_set_state_dict_resume_ddp_exactly(tmp_path):

@@ -192,13 +192,14 @@ class DDP(EngineShell):
 
     def _reduce_rest(self) -> None:
         """A backward starts after one that reduced some buckets and stopped at one it did not
-        complete: reduce the rest now, in order, as the ranks that completed it did (not
-        waiting: backward goes on)."""
+        complete: reduce the rest now, in order, as the ranks that completed it did, and wait:
+        this backward's gradients go into the same buckets."""
         order = self.reduce_order
         if any(b.due for b in order):  # (none: no_sync(), or reduced after backward)
             for bucket in order[self._next:]:
                 bucket.fresh = False
                 self._reduce(bucket, "bwd")
+            self._wait_pending()  # before this backward adds into the same buckets
 
     def _count_afresh(self) -> None:
         """A backward starts: count each bucket's gradients from zero (the last backward may

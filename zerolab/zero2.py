@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from zerolab import comm
+from zerolab.ddp import DDP
 from zerolab.sharding import flatten
 from zerolab.zero1 import ShardedBucket, ZeRO1
 
@@ -39,6 +40,10 @@ class GradShardedBucket(ShardedBucket):
 class ZeRO2(ZeRO1):
     name = "zero2"
     grads_in_buckets = False  # .grad is autograd's own between a bucket's reductions
+    # A bucket a backward left incomplete is reduced when the next starts, as DDP does: its
+    # reduce-scatter reads autograd's .grad into the shard, so the next backward adds nothing
+    # to what it reduced (ZeRO-1's in-place one refuses instead).
+    _reduce_rest = DDP._reduce_rest
 
     def _make_buckets(self) -> list[GradShardedBucket]:
         return [GradShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]

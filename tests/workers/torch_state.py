@@ -113,11 +113,15 @@ def branch(key: str) -> dict[str, torch.Tensor]:
 # ZeRO-3 is not here: its backward also all-gathers units, and a reduction a rank defers to
 # the end of backward lands among those gathers at another place than on the other ranks
 # (FSDP2 ties post_backward to each module's inputs instead). Still to do.
-BRANCH_ENGINES = ("ddp", "zero1", "zero2")
+BRANCH_ENGINES = ("ddp", "zero2")  # ZeRO-1 refuses between two backward passes (zero1.py)
 
 
 def run_branch() -> dict:
     return {key: branch(key) for key in BRANCH_ENGINES}
+
+
+def run_branch_zero1() -> dict:
+    return branch("zero1")
 
 
 # ---- torch's get_state_dict / set_state_dict, through DCP ------------------------------------
