@@ -40,13 +40,14 @@ class GradShardedBucket(ShardedBucket):
 class ZeRO2(ZeRO1):
     name = "zero2"
     grads_in_buckets = False  # .grad is autograd's own between a bucket's reductions
-    # A bucket a backward left incomplete is reduced when the next starts, as DDP does: its
-    # reduce-scatter reads autograd's .grad into the shard, so the next backward adds nothing
-    # to what it reduced (ZeRO-1's in-place one refuses instead).
-    _reduce_rest = DDP._reduce_rest
 
     def _make_buckets(self) -> list[GradShardedBucket]:
         return [GradShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]
+
+    def _reduce_rest(self) -> None:
+        """DDP's (ddp.py's Note), which ZeRO-1 refuses: ZeRO-2's reduce-scatter reads autograd's
+        .grad into the shard, so the next backward adds nothing to what it reduced."""
+        DDP._reduce_rest(self)
 
     def _grad_buffer(self, b: GradShardedBucket) -> None:
         """No full gradient buffer (autograd allocates each .grad per backward): a persistent
