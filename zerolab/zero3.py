@@ -21,8 +21,7 @@ What changes from ZeRO-2 (zero2.py):
 - reshard_after_forward=False (FSDP2's knob): units stay gathered from forward to backward:
   2Ψ per step, the whole model's parameters at the peak. (FSDP2's int is ZeRO++'s hpZ.)
 
-ZeRO++ (zeropp.py) changes how weights travel (`_gather`) and how gradients are reduced
-(`_reduce`), not when. units.py decides each unit's parameters, and the root's.
+Units and the root: units.py. ZeRO++ (zeropp.py) changes `_gather` and `_reduce`, not when.
 """
 
 from __future__ import annotations
