@@ -44,9 +44,7 @@ def sharded_muon_update(grad_shard: torch.Tensor, shape: tuple[int, int], rank: 
     Graded on: 1, 2 and 3 ranks, tall, wide and padded matrices: the shard on every rank, the
     zerolab.comm ops called (send and recv only) and the bytes each rank sent.
 
-    Hint: a flat shard may start mid-row: it is no matrix. On rank 0, put the shards end to
-    end (rank r's at r*k), view the first rows*cols elements as (rows, cols), orthogonalise,
-    pad, and send rank r its k elements.
+    Hint: a flat shard may start mid-row: it is no matrix until one rank holds every shard.
     """
     raise NotImplementedError(
         "Exercise 11.1: Muon's orthogonalised update, from flat gradient shards.")
