@@ -53,7 +53,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from zerolab import comm
-from zerolab.parts import state_dicts
+from zerolab.parts import dcp_files, state_dicts
 from zerolab.parts.materialize import where
 from zerolab.shell import EngineShell  # zerolab's engines; torch's keep engines.Engine
 
@@ -89,7 +89,7 @@ def save(engine: Engine, folder: str) -> str:
     _barrier(tag, group)  # every rank chose before any creates it
     target = os.path.join(folder, version)
     if isinstance(engine, EngineShell):  # a zerolab engine: its chunks
-        state_dicts.write(state_dicts.engine_state_dict(engine), target, group)
+        dcp_files.write(state_dicts.engine_state_dict(engine), target, group)
     else:  # torch's (zerolab.bench.baselines): its own state dicts, the same keys
         dcp.save(_torch_state_dict(engine), storage_writer=dcp.FileSystemWriter(target),
                  process_group=group)
@@ -227,7 +227,7 @@ def manifest(version: str) -> Metadata:
     if os.path.getsize(path) == 0:
         raise CheckpointError(f"{path} is empty: the checkpoint's manifest is damaged. {again}")
     try:
-        metadata = state_dicts.read_metadata(version)
+        metadata = dcp_files.read_metadata(version)
     except Exception as e:  # a pickle cut short or overwritten: many exception types
         raise CheckpointError(f"{path} is damaged: not a DCP manifest ({type(e).__name__}: "
                               f"{str(e)[:120]}). {again}") from None
@@ -311,7 +311,7 @@ def load(engine: Engine, folder: str, strict: bool = True) -> None:
     version, metadata = _checked(folder, group, tag)
     if not isinstance(engine, EngineShell):  # torch's (bench/baselines.py)
         return _load_torch(engine, version, metadata)
-    where_of = state_dicts.paths(metadata)
+    where_of = dcp_files.paths(metadata)
     model, optimizer_keys, group_keys, root = _layout(where_of, metadata)
     problem = _compare(engine, model, strict, version)
     _agree(problem, group, tag, lambda: "another rank refused the checkpoint (see its error)")
@@ -321,7 +321,7 @@ def load(engine: Engine, folder: str, strict: bool = True) -> None:
     _prune(loading.sd)
     engine.wait_params()  # a gather still in flight would overwrite what we load
     try:
-        state_dicts.read(loading.sd, version, group)
+        dcp_files.read(loading.sd, version, group)
     except Exception as e:  # DCP gathers every rank's failure into one CheckpointException
         raise CheckpointError(f"reading {version} failed ({type(e).__name__}): "
                               f"{str(e)[:400]}") from e
@@ -416,7 +416,7 @@ def consolidate(folder: str) -> dict[str, Any]:
     version = latest(folder)
     metadata = manifest(version)
     full: dict[str, Any] = {}
-    for key, path in state_dicts.paths(metadata).items():
+    for key, path in dcp_files.paths(metadata).items():
         md = metadata.state_dict_metadata[key]
         _set(full, path, torch.empty(md.size, dtype=md.properties.dtype)
              if isinstance(md, TensorStorageMetadata) else None)

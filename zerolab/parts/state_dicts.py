@@ -1,7 +1,7 @@
 """The engines' sharded state dicts, in the terms of torch.distributed.checkpoint (DCP).
 
     sd = engine_state_dict(engine)      # this rank's part, keyed like the plain model's
-    write(sd, path, group)              # DCP: every rank writes its chunks, rank 0 the metadata
+    dcp_files.write(sd, path, group)    # DCP: every rank writes its chunks, rank 0 the metadata
     load_engine_state_dict(engine, full)  # a full state dict ({"model": .., "optimizer": ..})
 
 The keys are torch's: `sd["model"]` is keyed like the plain model's `state_dict()` (a tied
@@ -24,12 +24,11 @@ DCP's default planners take plain tensors, DTensors and ShardedTensors. Chunks a
 those, so two small planners (subclasses of the documented DefaultSavePlanner /
 DefaultLoadPlanner) add a write item per piece on save and a read item per overlap on load
 (DCP's `planner_helpers.create_read_items_for_chunk_list`); everything else (buffers, Adam's
-step, the param groups) goes through DCP's own code.
+step, the param groups) goes through DCP's own code. They live in parts/dcp_files.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 from collections.abc import Callable
@@ -37,22 +36,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from zerolab.parts.whole_params import refuse_optimizer_state
 from zerolab.sharding import Slot
@@ -206,116 +190,6 @@ def param_groups(engine: EngineShell) -> list[dict[str, Any]]:
         groups.append({**{k: v for k, v in group.items() if k != "params"},
                        "params": [first_name[p] for p in order if p in params]})
     return groups
-
-
-# ---- writing and reading with DCP ------------------------------------------------------------
-
-
-def split(sd: dict, path: Path = ()) -> tuple[dict, dict[Path, Chunks]]:
-    """A nested state dict -> (the same without its Chunks, {path: Chunks})."""
-    plain, chunks = {}, {}
-    for k, v in sd.items():
-        if isinstance(v, Chunks):
-            chunks[(*path, k)] = v
-        elif isinstance(v, dict):
-            plain[k], more = split(v, (*path, k))
-            chunks.update(more)
-        else:
-            plain[k] = v
-    return plain, chunks
-
-
-def fqn(path: Path) -> str:
-    """DCP's flat key for a nested path (its flatten_state_dict joins with dots)."""
-    return ".".join(map(str, path))
-
-
-class ChunkSavePlanner(dcp.DefaultSavePlanner):
-    """DCP's default save planner, plus a SHARD write item for each piece of each Chunks."""
-
-    def __init__(self, chunks: dict[Path, Chunks]):
-        super().__init__()
-        self.chunks = {fqn(path): (path, c) for path, c in chunks.items()}
-
-    def create_local_plan(self):
-        plan = super().create_local_plan()  # buffers, step counts, param groups
-        items = []
-        for key, (path, c) in self.chunks.items():
-            self.mappings[key] = path  # how dcp_to_torch_save nests the key again
-            for offsets, t in c.pieces:
-                items.append(WriteItem(
-                    index=MetadataIndex(key, torch.Size(offsets)), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(torch.Size(offsets), t.size()),
-                        properties=TensorProperties.create_from_tensor(t), size=c.shape)))
-        self.plan = dataclasses.replace(plan, items=[*plan.items, *items],
-                                        planner_data=self.mappings)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        if index.fqn in self.chunks:
-            return next(t for offsets, t in self.chunks[index.fqn][1].pieces
-                        if torch.Size(offsets) == index.offset)
-        return super().lookup_object(index)
-
-
-class ChunkLoadPlanner(dcp.DefaultLoadPlanner):
-    """DCP's default load planner, plus a read item for every overlap of a piece with a chunk
-    the checkpoint holds (pieces may overlap: one key can fill several tensors)."""
-
-    def __init__(self, chunks: dict[Path, Chunks]):
-        super().__init__()
-        self.chunks = {fqn(path): c for path, c in chunks.items()}
-
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        items = []
-        for key, c in self.chunks.items():
-            wanted = [ChunkStorageMetadata(torch.Size(o), t.size()) for o, t in c.pieces]
-            items += create_read_items_for_chunk_list(
-                key, self.metadata.state_dict_metadata[key], wanted)
-        return LoadPlan([*plan.items, *items])
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        if index.fqn in self.chunks:  # index.index: which of the pieces (the list's order)
-            return self.chunks[index.fqn].pieces[index.index][1]
-        return super().lookup_tensor(index)
-
-
-def write(sd: dict, path: str, group: dist.ProcessGroup | None) -> None:
-    """Collective over `group`: DCP writes every rank's part of `sd` into the folder `path`
-    (a file per rank, then `.metadata` from the coordinator, rank 0)."""
-    plain, chunks = split(sd)
-    dcp.save(plain, storage_writer=dcp.FileSystemWriter(path), planner=ChunkSavePlanner(chunks),
-             process_group=group)
-
-
-def read(sd: dict, path: str, group: dist.ProcessGroup | None) -> None:
-    """Collective over `group`: fill `sd` in place from the DCP folder `path` (Chunks pieces,
-    plain tensors; other values are replaced by the checkpoint's)."""
-    plain, chunks = split(sd)
-    dcp.load(plain, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(chunks),
-             process_group=group)
-    _copy_back(sd, plain)
-
-
-def _copy_back(sd: dict, plain: dict) -> None:
-    """DCP replaces non-tensor values in the dict it was given: take them back into `sd`."""
-    for k, v in plain.items():
-        if isinstance(v, dict):
-            _copy_back(sd[k], v)
-        else:
-            sd[k] = v
-
-
-def read_metadata(path: str) -> Metadata:
-    return dcp.FileSystemReader(path).read_metadata()
-
-
-def paths(metadata: Metadata) -> dict[str, Path]:
-    """Each key of a DCP checkpoint -> its path in the nested state dict that was saved."""
-    nested = metadata.planner_data or {}
-    return {k: tuple(nested.get(k, (k,))) for k in metadata.state_dict_metadata}
 
 
 # ---- loading into an engine ------------------------------------------------------------------
