@@ -1,5 +1,5 @@
 """ZeRO++'s qgZ: gradients block-quantised (int8, int4) and reduce-scattered in two all-to-alls,
-inside each node then across nodes (zerolab.zeropp.quantized_reduce_scatter, the engine option
+inside each node then across nodes (zerolab.parts.qgz.quantized_reduce_scatter, the engine option
 quantize_grads=True), on 4 ranks as 2 "nodes" of 2 and on 2 ranks as 1 node of 2 or 2 of 1.
 
 Against: the fp32 reduce-scatter on the same input (within the rounding bound), the all-to-all's

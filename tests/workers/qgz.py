@@ -8,8 +8,9 @@ import torch.distributed as dist
 import zerolab
 from zerolab import comm, engines, harness, models
 from zerolab.parts.mesh import make_nodes
+from zerolab.parts.qgz import quantized_reduce_scatter
 from zerolab.wire.peers import record_peer_bytes
-from zerolab.zeropp import ZeroPP, quantized_reduce_scatter
+from zerolab.zeropp import ZeroPP
 
 CHUNK = 5000  # elements each rank owns: rows of R·CHUNK, not a multiple of the 256-block
 CONFIG = models.GPTConfig(n_layer=2, n_embd=32, n_head=2)

@@ -3,7 +3,7 @@
 `qgz_lesson` runs on every rank of a 4-rank launch and returns a `QgzLesson`:
 - one backward's gradients (n09_nodes.MODEL on this rank's batch), flattened per ZeRO-3 unit,
   reduce-scattered over the 4 ranks three ways: as ZeRO-3 does (fp32, each chunk straight to
-  its owner), and with qgZ in int8 and in int4 (zerolab.zeropp.quantized_reduce_scatter): the
+  its owner), and with qgZ in int8 and in int4 (zerolab.parts.qgz.quantized_reduce_scatter): the
   bytes this rank sent to each peer (zerolab.wire.peers, the fewest of n09_REPEATS), and
   how far the quantised results land from fp32's, against their bound (`Gradients`);
 - one measured training step of qgZ alone and of ZeRO++ whole (qwZ+hpZ+qgZ), as n09_nodes
@@ -27,11 +27,11 @@ from zerolab.lessons import n09_nodes
 from zerolab.lessons.n09_nodes import NODE, REPEATS
 from zerolab.models import GPT
 from zerolab.parts.mesh import make_nodes
+from zerolab.parts.qgz import quantized_reduce_scatter
 from zerolab.parts.quantize import LEVELS
 from zerolab.sharding import FlatLayout, flatten
 from zerolab.units import make_units
 from zerolab.wire.peers import record_peer_bytes
-from zerolab.zeropp import quantized_reduce_scatter
 
 WAYS = {"fp32": None, "qgZ int8": 8, "qgZ int4": 4}  # how gradients travel -> bits (None: fp32)
 # The paper's cross-node count for the gradients, x ZeRO-3's: int4 of fp16 is a quarter. Its
