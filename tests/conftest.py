@@ -72,7 +72,7 @@ SHARED = {"test_lesson_n00_launch": "lessons_00_03", "test_lesson_n01_memory": "
 LONGEST_FIRST = ["test_grading", "10_bytes_to_seconds", "test_grading_engines", "test_habits",
                  "09_past_one_node", "11_precision_and_optimizers", "test_grading_adversarial",
                  "06_fsdp2", "test_grading_wrong", "test_engines", "test_bench", "lessons_00_03",
-                 "lessons_04_07", "nodes"]
+                 "lessons_04_07", "09b_built_and_saved", "nodes"]
 
 
 def _group(path: str) -> str:

@@ -4,7 +4,7 @@ at 4 ranks and is loaded at 1, 2 and 3), read by a plain single-process model an
 (fully_shard), and FSDP2's read by zerolab; a save that crashed half-way refused or left
 behind; one writer per folder; every damaged file refused by name.
 
-(Notebook 09's checkpoints, what it prints about them, are tested in test_lesson_n09_nodes.py.)
+(Notebook 09b's checkpoints, what it prints about them, are tested in test_lesson_n09_saves.py.)
 """
 
 from __future__ import annotations

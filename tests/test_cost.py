@@ -359,3 +359,19 @@ def test_a_stage_splits_its_step_into_compute_exposed_and_hidden():
     assert "DDP, N = 2" in n10_time.format_steps({2: made_up_run()})
 
 
+
+
+def test_per_call_table_averages_each_ops_calls():
+    """format_per_call: each call's median over the replays, averaged over the op's calls, with
+    the messages the model charges one call (an all-reduce at N = 2: two)."""
+    run = made_up_run()
+    s = run.stages["ZeRO-1"]
+    s.collectives = [("reduce_scatter", 2 * MiB), ("all_gather", 2 * MiB), ("all_gather", 4 * MiB)]
+    s.comm_alone = [[0.001, 0.002, 0.004], [0.003, 0.002, 0.006], [0.002, 0.009, 0.005]]
+    # medians per call: 2, 2 and 5 ms; the all-gathers' mean: 3.5 ms
+    lines = n10_time.format_per_call({2: run}).splitlines()
+    assert lines[0] == (f"N = 2, DDP:    3 all_reduce of 4.00 MiB, 2 message(s): "
+                        f"{run.link.predict('all_reduce', 4 * MiB) * 1e3:.2f} ms a call")
+    assert lines[1] == ("N = 2, ZeRO-1: 1 reduce_scatter of 2.00 MiB, 1 message(s): 2.00 ms a "
+                        "call; 2 all_gather of 3.00 MiB, 1 message(s): 3.50 ms a call")
+    assert n10_time.format_per_call({2: run}, stages=("ZeRO-3",)) == ""

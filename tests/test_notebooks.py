@@ -20,6 +20,7 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 EXPECTED = ["00_launch", "01_ddp", "01b_memory", "02_collectives", "03_zero1", "04_zero2",
             "05_zero3", "06_fsdp2", "07_scaling", "08_activations", "09_past_one_node",
+            "09b_built_and_saved",
             "10_bytes_to_seconds", "11_precision_and_optimizers",
             "12_meshes_and_scale", "12b_peak_without_building"]
 IGNORE_MARKERS = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")

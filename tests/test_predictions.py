@@ -144,6 +144,7 @@ FORMULAS = {  # what a learner who worked it out from the notebook writes
                                         root_numel=root_numel(n07_scaling.MODEL)).ring_sent_bytes,
     "08.p1": lambda: theory.activation_bytes(32, 2, 64, 4),
     "09.p1": lambda: theory.ring_sent_bytes("all_reduce", 4 * psi(n09_nodes.MODEL) / 2, 2),
+    "09b.p1": lambda: 8 * psi(n09_nodes.MODEL) / 4,  # 8Ψ/N: param and grad shards
 }
 
 
@@ -178,6 +179,7 @@ def test_the_measurements_are_what_the_notebooks_print(values):
     assert values["07.p1"] == FORMULAS["07.p1"]()
     assert values["08.p1"] == FORMULAS["08.p1"]()  # "every block equal to its formula"
     assert values["09.p1"] == FORMULAS["09.p1"]()
+    assert values["09b.p1"] == FORMULAS["09b.p1"]()  # "kept: 8Ψ/N" (no unit is padded)
 
 
 # ---- the command line -------------------------------------------------------------------------

@@ -303,7 +303,7 @@ def test_traffic_table_takes_the_qgz_steps(lessons):
         assert row.split("|")[2].split()[0] == f"{n09_nodes.across_mean(lessons, variant) / m:.3f}"
     assert rows[2].split("|")[0].split()[-1] == "2.25"  # the paper's: 1 + 1 + 0.25
     stand_in = n09_nodes.NodesLesson({v: lessons[0].traffic["qgZ"] for v in n09_nodes.VARIANTS},
-                                     {}, 0.0, 0.0, None, {})  # any step: only the last row counts
+                                     {}, 0.0, 0.0, {})  # any step: only the last row counts
     assert "(qgZ not built)" in n09_nodes.traffic_table([stand_in] * 4)[-1]
 
 

@@ -1,6 +1,6 @@
-"""What the prediction exercises of notebooks 01 to 09 are scored against, measured afresh.
+"""What the prediction exercises of notebooks 01 to 09b are scored against, measured afresh.
 
-Each prediction (zerolab.lessons.predictions.PREDICTIONS, ids "01.p1" ... "09.p1") names
+Each prediction (zerolab.lessons.predictions.PREDICTIONS, ids "01.p1" ... "09b.p1") names
 `zerolab.lessons.measured:measured_for` as its measurement: the grader calls it with the
 prediction's id, and it launches ranks that run zerolab's own engines and collectives on the
 notebook's model and settings, and reads the quantity off the running system (the comm
@@ -127,6 +127,16 @@ def _hsdp_bytes_across() -> float:
     return float(sum(e.ring_bytes for e in log.events if e.tag.endswith(".replicas")))
 
 
+def _born_sharded_kept() -> float:
+    """09b.p1: model-state bytes a rank holds once ZeRO-3 has built notebook 09's GPT from the
+    meta device, before any step (parameter and gradient shards; no optimizer state yet)."""
+    zerolab.init_from_env()
+    with torch.device("meta"):
+        model = models.GPT(n09_nodes.MODEL)
+    engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=1e-3)
+    return float(sum(engine.model_state_bytes().values()))
+
+
 # id -> (world size, what each rank runs)
 MEASURES: dict[str, tuple[int, Callable[[], float]]] = {
     "01.p1": (2, _ddp_bytes_all_reduced),
@@ -139,6 +149,7 @@ MEASURES: dict[str, tuple[int, Callable[[], float]]] = {
     "07.p1": (4, _zero3_ring_bytes),
     "08.p1": (1, _block_activations),
     "09.p1": (4, _hsdp_bytes_across),
+    "09b.p1": (4, _born_sharded_kept),
 }
 
 

@@ -1,7 +1,7 @@
-"""Notebook 09, checkpoints in torch's format (torch.distributed.checkpoint, DCP): zerolab's read
+"""Notebook 09b, checkpoints in torch's format (torch.distributed.checkpoint, DCP): zerolab's read
 by a plain single-process model and by FSDP2 (fully_shard), FSDP2's read by zerolab.
 
-    trips = n09_dcp.round_trips(workdir)      # in the notebook: three launches
+    trips = n09_dcp.round_trips(workdir)      # three launches (09b: inside its own, `compare`)
     n09_dcp.trip_table(trips)                 # each round trip: the largest difference
     n09_dcp.chunk_table(path, rank)           # what one rank's file holds: rectangles
 
@@ -22,7 +22,7 @@ from zerolab import checkpoint, engines, harness
 from zerolab.harness import max_diff
 from zerolab.models import GPT, GPTConfig
 
-MODEL = GPTConfig(n_layer=4, n_embd=64, n_head=4)  # notebook 09's
+MODEL = GPTConfig(n_layer=4, n_embd=64, n_head=4)  # notebooks 09 and 09b's
 LR, GLOBAL_BATCH, STEPS = 1e-3, 12, 2
 
 
@@ -121,23 +121,31 @@ def optimizer_diff(a: dict, b: dict) -> float:
 
 def round_trips(workdir: str) -> list[Trip]:
     """In the notebook's process: ZeRO-3 at 2 ranks saves; a plain model loads it through
-    dcp_to_torch_save; FSDP2 at 2 ranks loads it, then saves its own; ZeRO-2 at 3 loads that."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
+    dcp_to_torch_save; FSDP2 at 2 ranks loads it, then saves its own; ZeRO-2 at 3 loads that.
+    Three launches (notebook 09b runs the same functions inside its own launches: `compare`)."""
     import zerolab
 
     folder = os.path.join(workdir, "zero3")
     saved = zerolab.launch(zerolab_saves, 2, args=(folder,), timeout=600)[0]
-    on_disk = checkpoint.consolidate(folder)
+    fsdp = zerolab.launch(fsdp2_loads_and_saves, 2, args=(
+        folder, os.path.join(workdir, "fsdp2")), timeout=600)[0]
+    back = zerolab.launch(zerolab_loads, 3, args=(
+        os.path.join(workdir, "fsdp2"), os.path.join(workdir, "zero2")), timeout=600)[0]
+    return compare(workdir, saved, fsdp, back)
+
+
+def compare(workdir: str, saved: dict, fsdp: dict, back: dict) -> list[Trip]:
+    """In this process, after the launches: rank 0's results of zerolab_saves (into
+    workdir/zero3), fsdp2_loads_and_saves (workdir/fsdp2) and zerolab_loads (workdir/zero2);
+    a plain model loads the first checkpoint through dcp_to_torch_save. The three trips."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    on_disk = checkpoint.consolidate(os.path.join(workdir, "zero3"))
     plain_file = os.path.join(workdir, "plain.pt")
     dcp_to_torch_save(saved["path"], plain_file)
     plain = GPT(GPTConfig(**{**MODEL.__dict__, "seed": 3}))
     full = torch.load(plain_file)
     plain.load_state_dict(full["model"])  # strict: every key, the tied head's too
-    fsdp = zerolab.launch(fsdp2_loads_and_saves, 2, args=(
-        folder, os.path.join(workdir, "fsdp2")), timeout=600)[0]
-    back = zerolab.launch(zerolab_loads, 3, args=(
-        os.path.join(workdir, "fsdp2"), os.path.join(workdir, "zero2")), timeout=600)[0]
     again = checkpoint.consolidate(os.path.join(workdir, "zero2"))
     return [
         Trip("zerolab ZeRO-3 (2 ranks) -> dcp_to_torch_save -> plain GPT",

@@ -1,4 +1,4 @@
-"""Notebook 09, past one node: HSDP, ZeRO++ and models born sharded, on 4 ranks as 2 "nodes".
+"""Notebook 09, past one node: HSDP and ZeRO++, on 4 ranks as 2 "nodes".
 
 On one machine a "node" is a group of consecutive ranks (zerolab.parts.mesh): with 4 ranks and nodes
 of 2, ranks {0, 1} are node 0 and {2, 3} node 1. zerolab.wire.peers measures the bytes each rank
@@ -11,19 +11,15 @@ between nodes are measured, not inferred.
 - one world-wide all-gather, reduce-scatter and all-reduce: which links they use
   (`world_collectives`);
 - HSDP against DDP on the same global batches, with SGD (a distance);
-- the model built on the meta device against built in full (`Construction`);
 - loss curves on the course's corpus, ZeRO-3 with and without int8 weights;
-- a checkpoint saved at 4 ranks (ZeRO-3), and the uninterrupted run to compare resumes with.
+- HSDP refused on a world that does not split into whole nodes.
 
-`resumed_lesson` (on 2 or 3 ranks) measures the construction at that N, and resumes the
-checkpoint with another stage (`Resumed`); `crash_mid_save` kills a rank half-way through a save
-and says what is left (`Crash`).
+`sgd_run` also trains notebook 09b's checkpoints (lessons/n09_saves.py).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,8 +27,7 @@ import torch.distributed as dist
 from zerolab import comm, engines, harness, theory
 from zerolab.comm import CommLog
 from zerolab.data import Corpus
-from zerolab.memory import track_memory
-from zerolab.models import GPT, GPTConfig, num_params
+from zerolab.models import GPT, GPTConfig
 from zerolab.parts.quantize import BLOCK, dequantize_int8, quantize_int8
 from zerolab.wire.peers import record_peer_bytes
 
@@ -297,40 +292,6 @@ def mean_curve(curves: list[list[float]]) -> list[float]:
     return [sum(step) / len(step) for step in zip(*curves)]
 
 
-# ---- models born sharded -------------------------------------------------------------------
-
-
-@dataclass
-class Construction:
-    """Building the model and its ZeRO-3 engine on one rank: in full, or on the meta device."""
-
-    world_size: int
-    peak_full: int  # the most bytes alive while the model was built whole, then wrapped
-    peak_meta: int  # the same, built on the meta device, materialised one unit at a time
-    kept: dict[str, int]  # model-state bytes held afterwards (parameter and gradient shards)
-    full_model_bytes: int  # 4Ψ
-    largest_unit_bytes: int  # the biggest unit, gathered (ZeRO-3 builds one at a time)
-    same: bool  # the two engines hold bitwise the same model
-
-
-def construction(config: GPTConfig = MODEL) -> Construction:
-    """Build `config` twice with ZeRO-3: whole then wrapped, and on the meta device."""
-    peaks, states = {}, {}
-    for meta in (False, True):
-        with track_memory() as trace:
-            if meta:
-                with torch.device("meta"):  # shapes only: no storage, no values yet
-                    model = GPT(config)
-            else:
-                model = GPT(config)
-            engine = engines.make_engine("zero3", model, torch.optim.AdamW, lr=1e-3)
-        peaks[meta], states[meta] = trace.peak_bytes, engine.full_state_dict()
-    units = [sum(4 * b.layout.padded_numel for b in u.buckets) for u in engine.units]
-    return Construction(rank_and_size()[1], peaks[False], peaks[True],
-                        engine.model_state_bytes(), 4 * num_params(GPT(config)), max(units),
-                        harness.max_diff(states[False], states[True]) == 0.0)
-
-
 # ---- one launch on 4 ranks -----------------------------------------------------------------
 
 
@@ -342,127 +303,20 @@ class NodesLesson:
     world: dict[str, dict[int, int]]  # world all-gather / reduce-scatter / all-reduce: to each peer
     hsdp_vs_ddp: float  # max |HSDP - DDP| over the weights after the same SGD steps
     zero3_vs_ddp: float  # the same for ZeRO-3: the yardstick (only the reduction order)
-    construction: Construction
     curves: dict[str, list[float]]  # "fp32", "int8": this rank's loss at every step
-    straight: dict[str, torch.Tensor] = field(default_factory=dict)  # rank 0: 5 SGD steps
+    refused: str = ""  # HSDP with nodes of 3 on 4 ranks: the error's message
 
 
-def nodes_lesson(folder: str, curve_steps: int = CURVE_STEPS) -> NodesLesson:
-    """Everything of notebook 09 that runs on 4 ranks (see the module docstring). A ZeRO-3
-    checkpoint is saved in `folder` after 2 SGD steps."""
+def nodes_lesson(curve_steps: int = CURVE_STEPS) -> NodesLesson:
+    """Everything of notebook 09 that runs on 4 ranks (see the module docstring)."""
     traffic = {v: measure_traffic(v) for v in VARIANTS}
     world = world_collectives()
     ddp = sgd_run("DDP", range(3))
     distances = [harness.max_diff(sgd_run(v, range(3)), ddp) for v in ("HSDP", "ZeRO-3")]
-    built = construction()
     curves = {"fp32": loss_curve(False, curve_steps), "int8": loss_curve(True, curve_steps)}
-    sgd_run("ZeRO-3", range(2), save_to=folder)
-    straight = sgd_run("ZeRO-3", range(5))
-    return NodesLesson(traffic, world, *distances, built, curves,
-                       straight if rank_and_size()[0] == 0 else {})
-
-
-# ---- on 2 and 3 ranks: construction, and resuming the checkpoint ---------------------------
-
-
-@dataclass
-class Resumed:
-    """On 2 or 3 ranks: the construction at this N, and the checkpoint resumed."""
-
-    construction: Construction
-    variant: str  # the stage that resumed the 4-rank ZeRO-3 checkpoint
-    state: dict[str, torch.Tensor]  # its weights after steps 2, 3 and 4
-    refused: str = ""  # HSDP with nodes of 2 on this world size: the error's message
-
-
-def resumed_lesson(folder: str, variant: str, shard_size: int | None = None) -> Resumed:
-    """Construction at this world size; then `variant` (HSDP: nodes of `shard_size`) loads the
-    checkpoint saved after step 2 and trains steps 2 to 4, as the uninterrupted run did."""
     refused = ""
-    if rank_and_size()[1] % NODE:
-        try:
-            engines.make_engine("hsdp", GPT(MODEL), torch.optim.SGD, shard_size=NODE, **SGD)
-        except ValueError as e:
-            refused = str(e)
-    return Resumed(construction(), variant,
-                   sgd_run(variant, range(2, 5), load_from=folder,
-                           **({"shard_size": shard_size} if shard_size else {})), refused)
-
-
-# ---- checkpoints: what a file holds, and a crash mid-save ----------------------------------
-
-
-@dataclass
-class ChunkSummary:
-    """One chunk of one tensor in one rank's file of a DCP checkpoint."""
-
-    key: str  # "model.blocks.0.qkv.weight", "optimizer.state.wte.weight.momentum_buffer"
-    offsets: tuple[int, ...]  # its first element in the full tensor
-    sizes: tuple[int, ...]  # its extent: a rectangle of the full tensor
-    nbytes: int  # bytes in the file
-
-
-def chunks_in(folder: str, rank: int) -> list[ChunkSummary]:
-    """What rank `rank` wrote in the last complete save in `folder` (its file, in file order),
-    read from DCP's manifest."""
-    from zerolab import checkpoint
-
-    metadata = checkpoint.manifest(checkpoint.latest(folder))
-    mine = sorted(((info.offset, index, info.length) for index, info in
-                   metadata.storage_data.items() if info.relative_path == f"__{rank}_0.distcp"),
-                  key=lambda item: item[0])
-    out = []
-    for _, index, length in mine:
-        sizes = next((c.sizes for c in metadata.state_dict_metadata[index.fqn].chunks
-                      if c.offsets == index.offset), ()) if index.offset is not None else ()
-        out.append(ChunkSummary(index.fqn, tuple(index.offset or ()), tuple(sizes), length))
-    return out
-
-
-def save_killed_half_way(folder: str) -> None:
-    """Load the checkpoint into ZeRO-2, train one step, save: and die half-way through the
-    save, after this rank's file is written, before the manifest (.metadata) and LATEST are."""
-    import torch.distributed.checkpoint as dcp
-
-    from zerolab import checkpoint
-
-    def dies_writing_the_manifest(writer, metadata, results) -> None:
-        os._exit(1)  # a crash: no exception, no clean-up, the process is gone
-
-    model = GPT(MODEL)
-    engine = engines.make_engine("zero2", model, torch.optim.SGD, **SGD)
-    checkpoint.load(engine, folder)
-    harness.train_step(engine, *batch(model, 2))
-    dcp.FileSystemWriter.finish = dies_writing_the_manifest  # DCP writes the manifest last
-    checkpoint.save(engine, folder)
-
-
-@dataclass
-class Crash:
-    """What a save killed half-way leaves in the folder."""
-
-    error: str  # what zerolab.launch reported
-    before: list[str]  # the folder's entries before the crashed save
-    after: list[str]  # and after it
-    latest: str  # the version LATEST names afterwards
-    crashed_files: list[str]  # what the unfinished version holds (no .metadata)
-    same_as_before: bool  # the checkpoint that loads now is bitwise the one saved before
-
-
-def crash_mid_save(folder: str) -> Crash:
-    """In this process: launch a rank that dies half-way through a save in `folder`."""
-    import zerolab
-    from zerolab import checkpoint
-
-    before, good = sorted(os.listdir(folder)), checkpoint.consolidate(folder)
-    try:
-        zerolab.launch(save_killed_half_way, 1, args=(folder,), timeout=300)
-        error = "no error"
-    except zerolab.WorkerError as e:
-        error = str(e).splitlines()[0]
-    after = sorted(os.listdir(folder))
-    crashed = [v for v in after if v.startswith("save-") and v not in before]
-    now = checkpoint.consolidate(folder)
-    return Crash(error, before, after, os.path.basename(checkpoint.latest(folder)),
-                 sorted(os.listdir(os.path.join(folder, crashed[0]))) if crashed else [],
-                 harness.max_diff(now["model"], good["model"]) == 0.0)
+    try:  # refused before any group is made: every rank raises alike
+        engines.make_engine("hsdp", GPT(MODEL), torch.optim.SGD, shard_size=NODE + 1, **SGD)
+    except ValueError as e:
+        refused = str(e)
+    return NodesLesson(traffic, world, *distances, curves, refused)

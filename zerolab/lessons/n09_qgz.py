@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from zerolab import comm, theory
-from zerolab.lessons import n09_nodes
+from zerolab.lessons import n09_nodes, schematics
 from zerolab.lessons.n09_nodes import NODE, REPEATS
 from zerolab.models import GPT
 from zerolab.parts.mesh import make_nodes
@@ -162,15 +162,17 @@ def drift_table(runs: list[QgzLesson], last: int = LAST) -> list[str]:
 # ---- notebook 09: one launch, and the tables that join qgZ's steps to the other variants -------
 
 
-def notebook_lesson(folder: str, curve_steps: int = n09_nodes.CURVE_STEPS
-                    ) -> tuple[n09_nodes.NodesLesson, QgzLesson]:
+def notebook_lesson(curve_steps: int = n09_nodes.CURVE_STEPS
+                    ) -> tuple[n09_nodes.NodesLesson, QgzLesson, schematics.Mesh]:
     """Notebook 09's one 4-rank launch: n09_nodes.nodes_lesson and qgz_lesson, each as it
     measures alone, except that ZeRO-3's fp32 loss curve is trained once for both (the same
-    run, deterministic on a CPU): four curves of `curve_steps` steps instead of five."""
-    nodes = n09_nodes.nodes_lesson(folder, curve_steps=0)
+    run, deterministic on a CPU): four curves of `curve_steps` steps instead of five. And the
+    groups of one HSDP step, for the notebook's figure (schematics.hsdp_mesh)."""
+    mesh = schematics.hsdp_mesh(NODE)
+    nodes = n09_nodes.nodes_lesson(curve_steps=0)
     qgz = qgz_lesson(curve_steps)
     nodes.curves = {"fp32": qgz.curves["fp32"], "int8": n09_nodes.loss_curve(True, curve_steps)}
-    return nodes, qgz
+    return nodes, qgz, mesh
 
 
 def formula_inside(way: str, world_size: int = 4, node_size: int = NODE) -> int:

@@ -291,6 +291,29 @@ def format_check(runs: dict[int, Run], collectives: bool = True, stages: bool = 
     return "\n".join(lines)
 
 
+def format_per_call(runs: dict[int, Run], stages: tuple[str, ...] = ("DDP", "ZeRO-1")) -> str:
+    """Per N and stage: each op's replayed calls, alone, in ms per call (each call's median over
+    the replays, averaged over the op's calls), beside the messages the model charges a call,
+    and its mean S. Where the model's alpha is paid: per message, or per call."""
+    lines = []
+    for n, run in runs.items():
+        for name in stages:
+            s = run.stages.get(name)
+            if s is None:
+                continue
+            medians = [statistics.median(op) for op in zip(*s.comm_alone)]  # per call
+            parts = []
+            for op in dict.fromkeys(op for op, _ in s.collectives):
+                mine = [(t, nbytes) for t, (o, nbytes) in zip(medians, s.collectives) if o == op]
+                size = sum(b for _, b in mine) / len(mine)  # S, mean over the op's calls
+                per_call = sum(t for t, _ in mine) / len(mine)
+                parts.append(f"{len(mine)} {op} of {size / MiB:.2f} MiB, "
+                             f"{cost.messages(op, size, n).count} message(s): "
+                             f"{per_call * 1e3:.2f} ms a call")
+            lines.append(f"N = {n}, {name + ':':7} " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 def quartiles(t: cost.Timing) -> tuple[float, float]:
     """First and third quartile of a timing's repeats (seconds)."""
     q1, _, q3 = statistics.quantiles(t.seconds, n=4, method="inclusive")

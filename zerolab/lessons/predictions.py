@@ -179,6 +179,11 @@ PREDICTIONS = {p.id: p for p in (
         "Bytes an HSDP rank (N = 4, nodes of 2) sends to the other node in one step, in the "
         "ring model, to the nearest KiB", "bytes", rounding=1024, measure=_MEASURED),
     PredictionExercise(
+        "09b.p1", "09b_built_and_saved", "predicted_kept_bytes",
+        "Model-state bytes rank 0 holds once ZeRO-3 has built notebook 09's GPT born sharded "
+        "(meta device), N = 4, before any step, to the nearest KiB", "bytes", rounding=1024,
+        measure=_MEASURED),
+    PredictionExercise(
         "10.1", _10, "predicted_wire_bytes",
         "Bytes rank 0 writes to its sockets in one 4 MiB all-reduce at N = 2 (gloo's ring), "
         "to the nearest 4 KiB", "bytes", rounding=4096, measure=_MEASURE),
