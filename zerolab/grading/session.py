@@ -158,6 +158,12 @@ class _Rank:
     def ended(self) -> bool:
         return self.process.exitcode is not None
 
+    @property
+    def told(self) -> bool:
+        """It has said how its last case ended, and begun no other."""
+        return self.begun is None and bool(self.events) and \
+            self.events[-1].get("event") in ("end", "abandon")
+
     def output_head(self, lines: int = 12) -> str:
         try:
             with open(self.log, "rb") as f:
@@ -257,11 +263,12 @@ class _Watch:
                 stop = Stop("startup")
             if stop is not None and stop.how in ("timeout", "output", "startup", "malformed"):
                 break
-            # A rank ended early: the others get GRACE seconds to say how their case ended.
+            # A rank ended early: the others get GRACE seconds to say how their case ended
+            # (once each has, nothing more is to come: they wait for the one that ended).
             if ended_at is None and any(r.ended and not r.finished for r in self.ranks):
                 ended_at = now
             if ended_at is not None and (now - ended_at > GRACE + 1
-                                         or all(r.ended for r in self.ranks)):
+                                         or all(r.ended or r.told for r in self.ranks)):
                 break
             time.sleep(POLL)
         self.stop_all()
