@@ -7,9 +7,9 @@ size of their output. It reads the references the ranks computed as soon as they
 (those it was given, computed by an earlier run, are not computed again), removes their files,
 and only then lets the ranks load the learner's code: no learner's process finds them. It
 kills every rank (SIGKILL to their process groups) when a case or an import has run `timeout`
-seconds, when a rank has printed more than OUTPUT_LIMIT bytes, or GRACE seconds after a rank
-has ended without finishing. Nothing a learner's code does
-in its process can delay this: the clock and the kill are here.
+seconds, when a rank has printed more than OUTPUT_LIMIT bytes, or when a rank has ended without
+finishing: once every other rank has said how its case ended, or GRACE seconds after. Nothing
+a learner's code does in its process can delay this: the clock and the kill are here.
 
 As each case of a task ends on every rank, `judge(task, case, got)` may say the task is wrong
 already: the ranks are told to skip its remaining cases (the file skip-<key>).
