@@ -53,9 +53,15 @@ def _real(path: str | os.PathLike | None) -> str:
     modules' files are looked at, from a few hundred folders)."""
     if not path:
         return ""
-    folder, name = os.path.split(os.fspath(path))
-    if not os.path.isabs(folder):  # relative to a working directory that may change
+    path = os.fspath(path)
+    if not os.path.isabs(path):  # relative to a working directory that may change
         return os.path.realpath(path)
+    return _real_path(path)
+
+
+@functools.cache
+def _real_path(path: str) -> str:  # every module's file, after every task: kept
+    folder, name = os.path.split(path)
     return os.path.join(_real_folder(folder), name)
 
 

@@ -8,8 +8,9 @@ set order then fails. Hosts with different seeds give the grader's ranks that di
 plain exercise runs in rank 0's process of a run of its own (or of world size 1).
 
 The launcher's zygotes (one per rank index) draw random seeds; the grader's are fixed, so that
-a verdict does not depend on the draw. The hosts are started when a run first needs them, side
-by side (each imports torch: a few seconds), and live as long as this process. Where no zygote
+a verdict does not depend on the draw. The hosts a grading needs are started when it begins,
+side by side (each imports torch: a few seconds, while the grader reads the course and runs on
+the hosts already up), and live as long as this process. Where no zygote
 can run (not Linux), each process is spawned instead, with its seed in its environment.
 """
 
@@ -28,6 +29,7 @@ from zerolab.launcher.spawn import spawn_rank
 from zerolab.launcher.zygote import ForkedRank, Zygote, ZygoteUnavailable
 
 _HOSTS: dict[int, Zygote | None] = {}  # rank -> its host; None: spawn instead
+_STARTING: dict[int, Zygote] = {}  # rank -> its host, started and still importing
 _LOCK = threading.Lock()  # the environment is changed while a host starts
 
 
@@ -50,25 +52,35 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def prepare(world_size: int) -> None:
-    """Start the hosts of ranks 0..world_size-1 that are missing (or dead), side by side."""
+def warm(world_size: int) -> None:
+    """Start the hosts of ranks 0..world_size-1 that are missing (or dead), without waiting
+    for them: they import torch while the grader does other work (the first run's, the
+    references of plain exercises). `prepare` waits for them."""
     with _LOCK:
-        missing = [r for r in range(world_size) if r not in _HOSTS or (
-            _HOSTS[r] is not None and _HOSTS[r].process.poll() is not None)]
-        started: dict[int, Zygote | None] = {}
-        for r in missing:  # the zygote sets its own PYTHONHASHSEED from hash_seed
-            try:
-                started[r] = Zygote(hash_seed=hash_seed(r))
+        for r in range(world_size):
+            host = _HOSTS.get(r, False)
+            if r in _STARTING or host is None or (host and host.process.poll() is None):
+                continue  # starting, spawning instead, or alive
+            try:  # the zygote sets its own PYTHONHASHSEED from hash_seed
+                _STARTING[r] = Zygote(hash_seed=hash_seed(r))
             except ZygoteUnavailable:
-                started[r] = None
-        for r, host in started.items():  # each imports torch meanwhile
+                _HOSTS[r] = None
+
+
+def prepare(world_size: int) -> None:
+    """Start the hosts of ranks 0..world_size-1 that are missing (or dead), side by side, and
+    wait until each has imported what ranks need."""
+    warm(world_size)
+    with _LOCK:
+        for r in range(world_size):
+            host = _STARTING.pop(r, None)
             if host is None:
                 continue
             try:
                 host._wait_ready()
+                _HOSTS[r] = host
             except ZygoteUnavailable:
-                started[r] = None
-        _HOSTS.update(started)
+                _HOSTS[r] = None
 
 
 def _host(rank: int) -> Zygote | None:

@@ -22,7 +22,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from zerolab.grading import borrowed, course, crashes, data, kinds, session
+from zerolab.grading import borrowed, course, crashes, data, hosts, kinds, session
 from zerolab.grading.check import judge_raised
 from zerolab.grading.exercise import Exercise
 from zerolab.grading.mistakes import Evidence
@@ -35,14 +35,16 @@ def grade_tasks(tasks: list[Task], world_sizes: Sequence[int],
                 timeout: float) -> dict[str, Result]:
     """Grade every task; their results by key (a task missing from it passed)."""
     results: dict[str, Result] = {}
-    pristine = course.snapshot(t.learner for t in tasks)
     plain = [t for t in tasks if not t.exercise.distributed]
-    for ex_id in dict.fromkeys(t.exercise.id for t in plain):
-        _plain_expected(ex_id)  # from the course as just read, before any learner code runs
     distributed = [t for t in tasks if t.exercise.distributed]
     sizes = list(world_sizes) if distributed else []
     if plain and 1 not in sizes:
         sizes = [1, *sizes]
+    if sizes:  # the ranks' hosts import torch meanwhile: the runs need not wait for them
+        hosts.warm(max(sizes))
+    pristine = course.snapshot(t.learner for t in tasks)
+    for ex_id in dict.fromkeys(t.exercise.id for t in plain):
+        _plain_expected(ex_id)  # from the course as just read, before any learner code runs
     for n in sizes:
         todo = [t for t in distributed if t.key not in results]
         if n == 1:

@@ -7,9 +7,9 @@ size of their output. It reads the references the ranks computed as soon as they
 (those it was given, computed by an earlier run, are not computed again), removes their files,
 and only then lets the ranks load the learner's code: no learner's process finds them. It
 kills every rank (SIGKILL to their process groups) when a case or an import has run `timeout`
-seconds, when a rank has printed more than OUTPUT_LIMIT bytes, or GRACE seconds after a rank
-has ended without finishing. Nothing a learner's code does
-in its process can delay this: the clock and the kill are here.
+seconds, when a rank has printed more than OUTPUT_LIMIT bytes, or when a rank has ended without
+finishing: once every other rank has said how its case ended, or GRACE seconds after. Nothing
+a learner's code does in its process can delay this: the clock and the kill are here.
 
 As each case of a task ends on every rank, `judge(task, case, got)` may say the task is wrong
 already: the ranks are told to skip its remaining cases (the file skip-<key>).
@@ -158,6 +158,12 @@ class _Rank:
     def ended(self) -> bool:
         return self.process.exitcode is not None
 
+    @property
+    def told(self) -> bool:
+        """It has said how its last case ended, and begun no other."""
+        return self.begun is None and bool(self.events) and \
+            self.events[-1].get("event") in ("end", "abandon")
+
     def output_head(self, lines: int = 12) -> str:
         try:
             with open(self.log, "rb") as f:
@@ -257,11 +263,12 @@ class _Watch:
                 stop = Stop("startup")
             if stop is not None and stop.how in ("timeout", "output", "startup", "malformed"):
                 break
-            # A rank ended early: the others get GRACE seconds to say how their case ended.
+            # A rank ended early: the others get GRACE seconds to say how their case ended
+            # (once each has, nothing more is to come: they wait for the one that ended).
             if ended_at is None and any(r.ended and not r.finished for r in self.ranks):
                 ended_at = now
             if ended_at is not None and (now - ended_at > GRACE + 1
-                                         or all(r.ended for r in self.ranks)):
+                                         or all(r.ended or r.told for r in self.ranks)):
                 break
             time.sleep(POLL)
         self.stop_all()
