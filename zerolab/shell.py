@@ -259,6 +259,7 @@ class EngineShell(nn.Module):
         """Every gradient reduced and in place: the optimizer's and the user's views of it."""
         if not self._grads_synced:
             self._finish_backward()
+            self._accumulated = 0  # nothing is left for the next backward to reduce
         self._grads_synced = True
         self.tiles.bind_grads()  # GradScaler.unscale_(optimizer) reads the optimizer's .grad
         if self.shard_params is not None:

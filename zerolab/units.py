@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -35,6 +36,7 @@ class Unit:
     unsharded: bool = False  # parameters point into gathered full buffers
     gathers: list = field(default_factory=list)  # all-gathers issued and not yet waited on
     in_backward: bool = False  # pre_backward ran: a forward now is a checkpoint's recompute
+    uses: Any = None  # ZeRO-3: its calls whose inputs wait for gradients (parts/post_backward.py)
 
 
 def make_units(model: nn.Module, units: Sequence[UnitSpec] | None = None) -> list[Unit]:

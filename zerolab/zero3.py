@@ -40,6 +40,7 @@ from zerolab.parts.habits import hook_gathered_state, keep_last
 from zerolab.parts.materialize import materialize, materialize_flat, param_names
 from zerolab.parts.nest import tensors_in
 from zerolab.parts.param_groups import bucket_params
+from zerolab.parts.post_backward import Uses
 from zerolab.sharding import FlatLayout, Slot, unflatten
 from zerolab.units import Unit, UnitSpec, make_units
 from zerolab.zero2 import GradShardedBucket, ZeRO2
@@ -165,11 +166,18 @@ class ZeRO3(ZeRO2):
 
     def _hook_modules(self) -> None:
         """Each unit's modules: unshard before their forward, reshard after it (and after any
-        forward hook registered later: parts/habits.py, keep_last)."""
+        forward hook registered later: parts/habits.py, keep_last). Before any of it (and the
+        buffers' broadcast), what the last backward left is reduced: the Note below."""
+        self.module.register_forward_pre_hook(lambda m, args: self._forward_starts(), prepend=True)
         for unit in self.units:
+            unit.uses = Uses(lambda u=unit: self._inputs_done(u))  # parts/post_backward.py
             for module in unit.modules:
-                module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
+                module.register_forward_pre_hook(lambda m, args, u=unit: self._unit_starts(u, args))
                 keep_last(module, lambda m, args, out, u=unit: self.post_forward(u, out))
+
+    def _unit_starts(self, unit: Unit, args: tuple):  # pre_forward; the inputs, watched
+        self.pre_forward(unit)
+        return None if unit.in_backward else unit.uses.wrap(args)
 
     # Note: under activation checkpointing, backward runs a unit's forward again (its forward
     # hooks too) after pre_backward gathered it: pre_forward must not prefetch forward's next
@@ -218,6 +226,37 @@ class ZeRO3(ZeRO2):
     def post_backward(self, unit: Unit) -> None:
         unit.in_backward = False
         self.reshard(unit)
+
+    # Note: a parameter some ranks leave without gradient (a branch one rank takes). Its unit's
+    # last gradient never comes on the ranks that skipped it, so post_backward would not run
+    # there while the others reduce-scatter it between two all-gathers. As FSDP2 (with
+    # set_reduce_scatter_unused_params), a unit's backward also ends when its inputs have their
+    # gradients (parts/post_backward.py), at the same place on every rank; the missing gradient
+    # counts as zeros (ZeRO-2's _reduce). A unit whose inputs need no gradient (the root, a
+    # first block) ends when the gradients are next read or the next forward or backward
+    # starts, before any collective of theirs: the ranks that went on wait for it there.
+
+    def _inputs_done(self, unit: Unit) -> None:
+        if unit.in_backward and any(b.params[0].requires_grad for b in unit.buckets):
+            self._leave(unit)  # post_backward has not run: a gradient did not come
+
+    def _leave(self, unit: Unit) -> None:
+        """post_backward, the unit's gradients that did not come as zeros, in reduce_order."""
+        for b in unit.buckets:
+            if b.params[0].requires_grad and not b.due:
+                b.ready, b.due = 0, self._backward_syncs
+        self._ready[unit.name] = 0
+        self._reduce_due()
+        self.post_backward(unit)
+
+    def _forward_starts(self) -> None:
+        if self._accumulated:  # the last backward did not reach every parameter (shell.py)
+            for unit in (*self.units[-2::-1], self.root):  # backward's order
+                if unit.in_backward:
+                    self._leave(unit)
+            self._reduce_rest()  # DDP's: what no backward reached
+            self._accumulated = 0
+            self._count_afresh()
 
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:
         order = self.units[:-1]  # the root is gathered for the whole forward: never prefetched
