@@ -177,9 +177,7 @@ class EngineShell(nn.Module):
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         """The first parameter gradient of a backward (multi-grad hook, mode "any")."""
-        if self._accumulated:  # the last backward did not reach every parameter
-            self._reduce_rest()  # what it left in the reduction order (ddp.py's Note)
-        self._accumulated = 0
+        self._end_last_backward()
         self._count_afresh()  # the stage's
         if self.shard_params is None:
             return
@@ -192,6 +190,12 @@ class EngineShell(nn.Module):
                                "(optimizer.zero_grad()) or none.")
         if zeroed:
             self.zero_grad()
+
+    def _end_last_backward(self) -> None:
+        """Before this rank communicates again (ZeRO-3: before a forward, which gathers)."""
+        if self._accumulated:  # the last backward did not reach every parameter
+            self._reduce_rest()  # what it left in the reduction order (ddp.py's Note)
+            self._accumulated = 0
 
     def _on_grad_accumulated(self, bucket: Bucket, param: nn.Parameter) -> None:
         # Fires once per backward, after autograd summed every use of param (tied, reused).

@@ -14,6 +14,11 @@ before any other ready node), so once the gradients of the unit's inputs are out
 gradient the unit will give its parameters in this backward is in. A unit called several times
 in one forward is over when the last of its calls' inputs have their gradients: `Uses` counts
 the calls whose backward has not run; a graph dropped without backward drops its calls too.
+
+A unit whose inputs need no gradient (the root, a first block fed the batch) gets no such
+moment: as DDP's and ZeRO-2's unfinished buckets (ddp.py's Note), it ends when the gradients
+are next read (step(), clipping, parameters()) or the next forward or backward starts, before
+this rank communicates again; the ranks that went on wait for it in their last reduction.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 
 from zerolab.parts.nest import map_tensors, tensors_in
+from zerolab.units import Unit
 
 
 class _InputsDone(torch.autograd.Function):
@@ -57,15 +63,17 @@ class _Call:
 class Uses:
     """A unit's calls whose inputs have not got their gradients yet; on_done when none are left."""
 
-    def __init__(self, on_done: Callable[[], None]):
+    def __init__(self, unit: Unit, on_done: Callable[[], None]):
+        self.unit = unit
         self.on_done = on_done
         self.calls: weakref.WeakSet[_Call] = weakref.WeakSet()
 
     def wrap(self, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """A forward pre-hook's return: `args` with each input that requires grad passed through
-        _InputsDone (values and gradients unchanged); None (args as they are) if none does."""
+        _InputsDone (values and gradients unchanged); None (args as they are) if none does, or
+        in a checkpoint's recompute (the unit's backward is under way: zero3.py's Note)."""
         inputs = [t for t in tensors_in(args) if t.requires_grad]
-        if not inputs or not torch.is_grad_enabled():
+        if not inputs or not torch.is_grad_enabled() or self.unit.in_backward:
             return None
         call = _Call(self)
         self.calls.add(call)
