@@ -173,7 +173,8 @@ class EngineShell(nn.Module):
     # would say which parameters a backward reaches, but it holds every gradient until the
     # last, and ZeRO-2 frees them as it goes.) A backward that leaves a parameter unused, or
     # one inside no_sync(), ends unsynced: whoever reads the gradients next (parameters(), an
-    # optimizer's step, clip_grad_norm_, step()) reduces what is left first.
+    # optimizer's step, clip_grad_norm_, step()) reduces what is left first (ZeRO-3: so does
+    # its next forward, which communicates too).
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         """The first parameter gradient of a backward (multi-grad hook, mode "any")."""
