@@ -17,16 +17,26 @@ from zerolab.harness import max_diff
 FLOOR = 1e-6  # SGD at 2 ranks: reduction order leaves rounding only (contract.py)
 
 
-def test_a_branch_taken_on_one_rank_counts_missing_gradients_as_zeros():
-    """Each micro-step one rank of two takes a branch (a Linear inside a ZeRO-3 unit, one in
-    the root), the other leaves its parameters without gradient: DDP and ZeRO-2 issue
-    their reductions in one order on every rank and land on the single process's result, with
-    no_sync() and with two synced backward passes before a step (ZeRO-3: workers/torch_state.py)."""
-    ref = T.branch_reference()
-    results = zerolab.launch(T.run_branch, 2, timeout=300)
+def _check_branch(results: list[dict], world_size: int) -> None:
+    refs = {spare: T.branch_reference(world_size, spare) for spare in (False, True)}
     for rank, r in enumerate(results):
-        for key in T.BRANCH_ENGINES:
-            assert max_diff(r[key], ref) < FLOOR, (key, rank, max_diff(r[key], ref))
+        for key, weights in r.items():
+            ref = refs[key.endswith("spare")]
+            assert max_diff(weights, ref) < FLOOR, (key, rank, max_diff(weights, ref))
+
+
+def test_a_branch_taken_on_one_rank_counts_missing_gradients_as_zeros():
+    """Each micro-step one rank of two takes a branch (a Linear inside each ZeRO-3 unit, one in
+    the root), the other leaves its parameters without gradient: DDP, ZeRO-2 and ZeRO-3 issue
+    their collectives in one order on every rank and land on the single process's result, with
+    no_sync() and with two synced backward passes before a step. ZeRO-3 also with a unit no
+    rank runs in some steps (its gradient zeros, as FSDP2's: workers/torch_state.py)."""
+    _check_branch(zerolab.launch(T.run_branch, 2, timeout=300), 2)
+
+
+def test_zero3_takes_a_branch_on_some_of_three_ranks():
+    """At 3 ranks two take the branch and one does not, then the other way round."""
+    _check_branch(zerolab.launch(T.run_branch_zero3, 3, timeout=120), 3)
 
 
 def test_zero1_refuses_a_branch_left_unreduced_between_two_backward_passes():

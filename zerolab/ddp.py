@@ -77,6 +77,7 @@ class DDP(EngineShell):
     name = "ddp"  # first part of every comm tag
     Options = DDPOptions
     _next = 0  # reduce_order[_next]: the next bucket this backward reduces
+    _backward_syncs = True  # the last backward to start reduces (it ran outside no_sync())
 
     # ---- set-up: what each rank holds ---------------------------------------------------------
 
@@ -195,7 +196,7 @@ class DDP(EngineShell):
         complete: reduce the rest now, in order, as the ranks that completed it did, and wait:
         this backward's gradients go into the same buckets."""
         order = self.reduce_order
-        if any(b.due for b in order):  # (none: no_sync(), or reduced after backward)
+        if self._backward_syncs:  # (not inside no_sync(): the other ranks reduced theirs)
             for bucket in order[self._next:]:
                 bucket.fresh = False
                 self._reduce(bucket, "bwd")
@@ -205,6 +206,7 @@ class DDP(EngineShell):
         """A backward starts: count each bucket's gradients from zero (the last backward may
         have left some uncounted: a parameter it did not reach)."""
         self._next = 0
+        self._backward_syncs = self._sync
         for bucket in self.buckets:
             bucket.ready, bucket.due = 0, False
 

@@ -173,13 +173,12 @@ class EngineShell(nn.Module):
     # would say which parameters a backward reaches, but it holds every gradient until the
     # last, and ZeRO-2 frees them as it goes.) A backward that leaves a parameter unused, or
     # one inside no_sync(), ends unsynced: whoever reads the gradients next (parameters(), an
-    # optimizer's step, clip_grad_norm_, step()) reduces what is left first.
+    # optimizer's step, clip_grad_norm_, step()) reduces what is left first (ZeRO-3: so does
+    # its next forward, which communicates too).
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         """The first parameter gradient of a backward (multi-grad hook, mode "any")."""
-        if self._accumulated:  # the last backward did not reach every parameter
-            self._reduce_rest()  # what it left in the reduction order (ddp.py's Note)
-        self._accumulated = 0
+        self._end_last_backward()
         self._count_afresh()  # the stage's
         if self.shard_params is None:
             return
@@ -192,6 +191,12 @@ class EngineShell(nn.Module):
                                "(optimizer.zero_grad()) or none.")
         if zeroed:
             self.zero_grad()
+
+    def _end_last_backward(self) -> None:
+        """Before this rank communicates again (ZeRO-3: before a forward, which gathers)."""
+        if self._accumulated:  # the last backward did not reach every parameter
+            self._reduce_rest()  # what it left in the reduction order (ddp.py's Note)
+            self._accumulated = 0
 
     def _on_grad_accumulated(self, bucket: Bucket, param: nn.Parameter) -> None:
         # Fires once per backward, after autograd summed every use of param (tied, reused).
@@ -259,6 +264,7 @@ class EngineShell(nn.Module):
         """Every gradient reduced and in place: the optimizer's and the user's views of it."""
         if not self._grads_synced:
             self._finish_backward()
+            self._accumulated = 0  # nothing is left for the next backward to reduce
         self._grads_synced = True
         self.tiles.bind_grads()  # GradScaler.unscale_(optimizer) reads the optimizer's .grad
         if self.shard_params is not None:

@@ -16,10 +16,13 @@ order they run: prefetching follows that order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
+
+from zerolab.parts.param_groups import bucket_params
 
 UnitSpec = nn.Module | Sequence[nn.Module]  # what a caller names as one unit
 
@@ -35,6 +38,8 @@ class Unit:
     unsharded: bool = False  # parameters point into gathered full buffers
     gathers: list = field(default_factory=list)  # all-gathers issued and not yet waited on
     in_backward: bool = False  # pre_backward ran: a forward now is a checkpoint's recompute
+    ready: int = 0  # ZeRO-3: its trainable buckets whose gradients are all in, this backward
+    uses: Any = None  # ZeRO-3: its calls whose inputs wait for gradients (parts/post_backward.py)
 
 
 def make_units(model: nn.Module, units: Sequence[UnitSpec] | None = None) -> list[Unit]:
@@ -51,6 +56,31 @@ def make_units(model: nn.Module, units: Sequence[UnitSpec] | None = None) -> lis
     out.append(Unit("root", [model], [p for p in _distinct(model.parameters())
                                       if len(claims.get(p, ())) != 1]))
     return out
+
+
+def bucket_runs(unit: Unit, key: Callable[[nn.Parameter], Hashable]
+                ) -> list[tuple[str, list[nn.Parameter]]]:
+    """The unit's flat buckets, (name, parameters): its trainable parameters, then its frozen
+    ones (never reduced), one per parameter group and dtype (`key`): "blocks.0", "blocks.0.1",
+    "blocks.0.frozen"."""
+    runs = []
+    for trainable in (True, False):
+        ps = [p for p in unit.params if p.requires_grad == trainable]
+        name = unit.name if trainable else f"{unit.name}.frozen"
+        runs += [(name + (f".{i}" if i else ""), run)
+                 for i, run in enumerate(bucket_params(ps, 1e30, key))]
+    return runs
+
+
+def neighbour(units: Sequence[Unit], unit: Unit, step: int) -> Unit | None:
+    """The unit to prefetch: the next one in forward (step +1), the one before in backward
+    (-1). The root (units[-1]) is gathered for the whole forward and never prefetched: it
+    comes before the first block in forward and after the last one in backward."""
+    order = units[:-1]
+    if unit is units[-1]:
+        return (order[0] if step > 0 else order[-1]) if order else None
+    i = order.index(unit) + step
+    return order[i] if 0 <= i < len(order) else None
 
 
 def _unit_groups(model: nn.Module, units: Sequence[UnitSpec] | None

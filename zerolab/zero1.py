@@ -141,7 +141,7 @@ class ZeRO1(DDP):
         some ranks only) and a second backward starts before step(): DDP reduces the rest here
         (ddp.py's Note); a reduce-scatter in place would then be added to by this backward, so
         ZeRO-1 refuses rather than train a wrong model (measured 1.6e-2 off one process)."""
-        if any(b.due for b in self.reduce_order):  # (DDP's test: some reduced, not all)
+        if self._backward_syncs:  # (DDP's test: not inside no_sync())
             raise RuntimeError(
                 f"{type(self).__name__}: the last backward gave no gradient to some parameters "
                 "on this rank (a branch other ranks took?) and another backward started before "

@@ -1,23 +1,22 @@
 """ZeRO-3: shard the parameters too. PyTorch calls this FSDP; the words here are FSDP2's.
 
 What changes from ZeRO-2 (zero2.py):
-- Parameters are grouped into *units* (a module, or a group of modules you name: what FSDP2's
-  `fully_shard` is called on). Each unit's parameters are flattened and padded as before, but
-  at rest a rank keeps only its shard (`local_shard`, its own small tensor); the full buffer
-  `flat_param` has its storage resized to zero. Model state at rest: 16Ψ/N bytes.
-- unshard: just before a unit's forward (pre_forward) and again just before its backward
-  (pre_backward), its shards are all-gathered into flat_param and the module's parameters point
-  into it. reshard: right after its forward (post_forward) and after its backward
-  (post_backward), the storage is resized to zero again. At any moment a rank holds the shards
-  plus the one or two units it is working on.
-- post_backward is ZeRO-2's bucket hook: a unit's last gradient in, reduce-scatter, reshard.
+- Parameters are grouped into *units* (a module, or modules named together: what FSDP2's
+  `fully_shard` is called on), each flattened and padded as before; at rest a rank keeps only
+  its shard (`local_shard`), `flat_param`'s storage resized to zero. Model state: 16Ψ/N bytes.
+- unshard: before a unit's forward (pre_forward) and again before its backward (pre_backward),
+  all-gather its shards into flat_param, the module's parameters pointing into it. reshard:
+  after its forward (post_forward) and its backward (post_backward), resize the storage to
+  zero again. At any moment a rank holds the shards plus the one or two units it works on.
+- post_backward is ZeRO-2's bucket hook: a unit's last gradient in, reduce-scatter, reshard (or
+  the end of its inputs' backward, where a branch this rank skipped leaves a gradient out).
   No all-gather after the step: the next forward gathers what it needs.
 - Traffic per step: all-gather in forward (Ψ), again in backward (Ψ), reduce-scatter (Ψ): 3Ψ,
   1.5x DDP's 2Ψ; less the root's backward gather (kept gathered, as FSDP2 keeps its root).
 - Prefetch (on by default): when a unit starts, the next unit's all-gather (in forward; the
   previous unit's in backward) is issued asynchronously, so communication overlaps compute.
 - One bucket per unit (per parameter group and dtype), so `bucket_bytes` is refused.
-- model.state_dict() gathers full tensors; model.load_state_dict(full) fills the shards.
+  model.state_dict() gathers full tensors; model.load_state_dict(full) fills the shards.
 - reshard_after_forward=False (FSDP2's knob): units stay gathered from forward to backward:
   2Ψ per step, the whole model's parameters at the peak. (FSDP2's int is ZeRO++'s hpZ.)
 
@@ -39,9 +38,9 @@ from zerolab.parts.at_rest import AtRest
 from zerolab.parts.habits import hook_gathered_state, keep_last
 from zerolab.parts.materialize import materialize, materialize_flat, param_names
 from zerolab.parts.nest import tensors_in
-from zerolab.parts.param_groups import bucket_params
+from zerolab.parts.post_backward import Uses
 from zerolab.sharding import FlatLayout, Slot, unflatten
-from zerolab.units import Unit, UnitSpec, make_units
+from zerolab.units import Unit, UnitSpec, bucket_runs, make_units, neighbour
 from zerolab.zero2 import GradShardedBucket, ZeRO2
 
 
@@ -76,15 +75,9 @@ class ZeRO3(ZeRO2):
         parameters and one of its frozen ones (never reduced); one per group and dtype."""
         self.units = make_units(self.module, self.options.units)
         self.root = self.units[-1]
-        self._ready: dict[str, int] = {}  # unit name -> its buckets reduced in this backward
         for unit in self.units:
-            unit.buckets = []
-            for trainable in (True, False):
-                ps = [p for p in unit.params if p.requires_grad == trainable]
-                name = unit.name if trainable else f"{unit.name}.frozen"
-                unit.buckets += [GradShardedBucket(name + (f".{i}" if i else ""), run,
-                                                   FlatLayout.of(run, self.world_size))
-                                 for i, run in enumerate(bucket_params(ps, 1e30, self.groups.key))]
+            unit.buckets = [GradShardedBucket(name, run, FlatLayout.of(run, self.world_size))
+                            for name, run in bucket_runs(unit, self.groups.key)]
         self._unit_of = {b.name: u for u in self.units for b in u.buckets}
         return [b for u in self.units for b in u.buckets if b.params[0].requires_grad]
 
@@ -165,22 +158,26 @@ class ZeRO3(ZeRO2):
 
     def _hook_modules(self) -> None:
         """Each unit's modules: unshard before their forward, reshard after it (and after any
-        forward hook registered later: parts/habits.py, keep_last)."""
+        forward hook registered later: parts/habits.py, keep_last); inputs watched (_leave)."""
+        # First (before the buffers' broadcast): what the last backward left (shell.py, _leave)
+        self.module.register_forward_pre_hook(lambda m, a: self._end_last_backward(), prepend=True)
         for unit in self.units:
+            unit.uses = Uses(unit, lambda u=unit: self._leave(u))  # parts/post_backward.py
             for module in unit.modules:
                 module.register_forward_pre_hook(lambda m, args, u=unit: self.pre_forward(u))
+                module.register_forward_pre_hook(lambda m, args, u=unit: u.uses.wrap(args))
                 keep_last(module, lambda m, args, out, u=unit: self.post_forward(u, out))
 
-    # Note: under activation checkpointing, backward runs a unit's forward again (its forward
-    # hooks too) after pre_backward gathered it: pre_forward must not prefetch forward's next
-    # unit, nor post_forward reshard what backward is about to use. As FSDP2's, a unit knows
-    # it is in backward, and its forward hooks do nothing until post_backward.
+    # Note: under activation checkpointing, backward runs a unit's forward again (its hooks
+    # too) after pre_backward gathered it: pre_forward must not prefetch forward's next unit,
+    # nor post_forward reshard what backward is about to use. As FSDP2's, a unit knows it is in
+    # backward, and its forward hooks do nothing until post_backward.
 
     def pre_forward(self, unit: Unit) -> None:
         if unit.in_backward:  # a checkpoint's recompute: pre_backward gathered it
             return
         self.unshard(unit, "fwd")
-        if self.prefetch and (nxt := self._neighbour(unit, +1)) is not None:
+        if self.prefetch and (nxt := neighbour(self.units, unit, +1)) is not None:
             self.unshard(nxt, "fwd", async_op=True)
 
     def post_forward(self, unit: Unit, output) -> None:
@@ -203,37 +200,40 @@ class ZeRO3(ZeRO2):
     def pre_backward(self, unit: Unit) -> None:
         unit.in_backward = True
         self.unshard(unit, "bwd")
-        if self.prefetch and (prev := self._neighbour(unit, -1)) is not None:
+        if self.prefetch and (prev := neighbour(self.units, unit, -1)) is not None:
             self.unshard(prev, "bwd", async_op=True)
 
     def _bucket_ready(self, bucket: GradShardedBucket) -> None:
         """post_backward: every gradient of the unit is in: reduce-scatter, then reshard."""
         super()._bucket_ready(bucket)  # ZeRO-2's reduce-scatter (skipped inside no_sync())
         unit = self._unit_of[bucket.name]
-        ready = self._ready[unit.name] = self._ready.get(unit.name, 0) + 1  # in this backward
-        if ready == sum(b.params[0].requires_grad for b in unit.buckets):  # all of the unit's
-            self._ready[unit.name] = 0
+        unit.ready += 1  # its buckets ready in this backward (post_backward counts afresh)
+        if unit.ready == sum(b.params[0].requires_grad for b in unit.buckets):  # all of them
             self.post_backward(unit)
 
     def post_backward(self, unit: Unit) -> None:
-        unit.in_backward = False
+        unit.in_backward, unit.ready = False, 0
         self.reshard(unit)
 
-    def _neighbour(self, unit: Unit, step: int) -> Unit | None:
-        order = self.units[:-1]  # the root is gathered for the whole forward: never prefetched
-        if unit is self.root:  # first block in forward, last block in backward
-            return (order[0] if step > 0 else order[-1]) if order else None
-        i = order.index(unit) + step
-        return order[i] if 0 <= i < len(order) else None
+    def _leave(self, unit: Unit) -> None:
+        """post_backward where a branch this rank skipped left a gradient out (parts/post_
+        backward.py): it counts as zeros (ZeRO-2's _reduce), reduced in reduce_order as ever."""
+        if unit.in_backward:
+            for b in unit.buckets:
+                if b.params[0].requires_grad and not b.due:
+                    b.ready, b.due = 0, self._backward_syncs
+            self._reduce_due()
+            self.post_backward(unit)
+
+    def _reduce_rest(self) -> None:  # the last backward left units: end them, then DDP's
+        for unit in (*self.units[-2::-1], self.root):
+            self._leave(unit)
+        super()._reduce_rest()
 
     def _finish_backward(self) -> None:
         super()._finish_backward()  # reduces what backward did not (unused parameters)
         for unit in self.units:  # units with frozen parameters only, and unused prefetches
             self.post_backward(unit)
-
-    def _count_afresh(self) -> None:  # a backward starts (ddp.py)
-        super()._count_afresh()
-        self._ready.clear()
 
     def _after_step(self) -> None:  # nothing to gather: each forward gathers its units
         pass

@@ -3,7 +3,7 @@ FSDP2 take, on every engine at 2 ranks, held to one process on the whole batch.
 
 - "branch": a parameter that gets no gradient on some ranks in a step (a branch one rank's data
   takes): its gradient counts as zeros there, as with FSDP2; with and without no_sync(), and two
-  synced backward passes before a step;
+  synced backward passes before a step; "spare": also a ZeRO-3 unit no rank runs in some steps;
 - "dsd": torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer) saved with
   DCP after a step, then set_state_dict into a new engine, which trains on as if it never
   stopped (torchtitan's habit), with the engine and with its raw module as `model`;
@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from zerolab import engines, harness, models
 
 ENGINES = ("ddp", "zero1", "zero2", "zero3")
-STEPS, MICRO_STEPS, GLOBAL_BATCH, WIDTH = 3, 2, 8, 8
+STEPS, MICRO_STEPS, GLOBAL_BATCH, WIDTH = 3, 2, 12, 8  # 12 rows: 2 or 3 ranks
 SGD = {"lr": 0.1, "momentum": 0.9}  # SGD: reduction order stays at rounding (contract.py)
 
 
@@ -42,19 +42,26 @@ class Block(nn.Module):
 
 
 class Branchy(nn.Module):
-    """Blocks (ZeRO-3's units) and an `extra` Linear in the root; `take` picks the branch."""
+    """Blocks (ZeRO-3's units) and an `extra` Linear in the root; `take` picks the branch.
+    Three blocks, so that a unit whose branch this rank skipped ends its backward between two
+    of backward's all-gathers. spare: a fourth block (a unit), run only where `use_spare`, on
+    every rank alike."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, spare: bool = False):
         super().__init__()
         torch.manual_seed(seed)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
         self.extra = nn.Linear(WIDTH, WIDTH)
         self.head = nn.Linear(WIDTH, 4)
-        self.take = False
+        if spare:
+            self.blocks.append(Block())
+        self.take = self.use_spare = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, WIDTH) -> (batch, 4)
-        for block in self.blocks:
+        for block in self.blocks[:3]:
             x = block(x, self.take)
+        if self.use_spare:
+            x = self.blocks[3](x, self.take)
         if self.take:
             x = x + self.extra(x)
         return self.head(x)
@@ -76,8 +83,13 @@ def synced(step: int, micro: int) -> bool:
     return step % 2 == 0 or micro == MICRO_STEPS - 1
 
 
-def branch_reference(world_size: int = 2) -> dict[str, torch.Tensor]:
-    model = Branchy()
+def spare_used(step: int) -> bool:
+    """The spare block runs in the middle step only (on every rank): unused in the others."""
+    return step == 1
+
+
+def branch_reference(world_size: int = 2, spare: bool = False) -> dict[str, torch.Tensor]:
+    model = Branchy(spare=spare)
     optimizer = torch.optim.SGD(model.parameters(), **SGD)
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -87,15 +99,19 @@ def branch_reference(world_size: int = 2) -> dict[str, torch.Tensor]:
                 x, y = harness.local_batch(Branchy.make_batch, GLOBAL_BATCH, 10 * step + micro,
                                            r, world_size)
                 model.take = takes(r, step, micro)
+                model.use_spare = spare and spare_used(step)
                 losses.append(F.mse_loss(model(x), y))
             (torch.stack(losses).mean() / MICRO_STEPS).backward()
+        for p in model.parameters():  # a block no rank ran: its gradient counts as zeros
+            if p.grad is None:  # (momentum moves it; FSDP2's too, measured)
+                p.grad = torch.zeros_like(p)
         optimizer.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def branch(key: str) -> dict[str, torch.Tensor]:
+def branch(key: str, spare: bool = False) -> dict[str, torch.Tensor]:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = Branchy(seed=rank)  # rank 0's weights win
+    model = Branchy(seed=rank, spare=spare)  # rank 0's weights win
     extra = {} if key == "zero3" else {"bucket_bytes": 600}  # several buckets
     engine = engines.make_engine(key, model, torch.optim.SGD, **SGD, **extra)
     for step in range(STEPS):
@@ -105,19 +121,21 @@ def branch(key: str) -> dict[str, torch.Tensor]:
             x, y = harness.local_batch(Branchy.make_batch, GLOBAL_BATCH, 10 * step + micro,
                                        rank, world_size)
             model.take = takes(rank, step, micro)
+            model.use_spare = spare and spare_used(step)
             (F.mse_loss(engine(x), y) / MICRO_STEPS).backward()
         engine.optimizer.step()
     return engine.full_state_dict()
 
 
-# ZeRO-3 is not here: its backward also all-gathers units, and a reduction a rank defers to
-# the end of backward lands among those gathers at another place than on the other ranks
-# (FSDP2 ties post_backward to each module's inputs instead). Still to do.
-BRANCH_ENGINES = ("ddp", "zero2")  # ZeRO-1 refuses between two backward passes (zero1.py)
+BRANCH_ENGINES = ("ddp", "zero2", "zero3")  # ZeRO-1 refuses between two backward passes
 
 
 def run_branch() -> dict:
-    return {key: branch(key) for key in BRANCH_ENGINES}
+    return {key: branch(key) for key in BRANCH_ENGINES} | {"zero3 spare": branch("zero3", True)}
+
+
+def run_branch_zero3() -> dict:
+    return {"zero3": branch("zero3"), "zero3 spare": branch("zero3", spare=True)}
 
 
 def run_branch_zero1() -> dict:
