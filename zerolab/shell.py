@@ -192,6 +192,11 @@ class EngineShell(nn.Module):
         if zeroed:
             self.zero_grad()
 
+    def _settle_before_forward(self) -> None:
+        """A stage's forward pre-hook, ahead of every other (the buffers' broadcast): what the
+        last backward left to reduce (a branch this rank skipped) is reduced first."""
+        self.module.register_forward_pre_hook(lambda m, a: self._end_last_backward(), prepend=True)
+
     def _end_last_backward(self) -> None:
         """Before this rank communicates again (ZeRO-3: before a forward, which gathers)."""
         if self._accumulated:  # the last backward did not reach every parameter
