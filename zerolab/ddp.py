@@ -113,8 +113,7 @@ class DDP(EngineShell):
     # ---- forward and backward: the hooks ------------------------------------------------------
 
     def _hook_modules(self) -> None:
-        """Every rank holds every parameter; a skipped branch's reduction is settled first."""
-        self._settle_before_forward()
+        """DDP's forward needs nothing: every rank holds every parameter, always."""
 
     def _grad_arriving(self, bucket: GradBucket, param: nn.Parameter, grad: torch.Tensor) -> None:
         """Before autograd adds `grad` into param.grad (DDP, ZeRO-1: .grad views a bucket)."""

@@ -44,10 +44,6 @@ class ZeRO2(ZeRO1):
     def _make_buckets(self) -> list[GradShardedBucket]:
         return [GradShardedBucket(b.name, b.params, b.layout) for b in super()._make_buckets()]
 
-    def _hook_modules(self) -> None:
-        super()._hook_modules()  # ZeRO-1's waits for the gathers
-        self._settle_before_forward()  # DDP's: ZeRO-2 reduces what a skipped branch left
-
     def _reduce_rest(self) -> None:
         """DDP's (ddp.py's Note), which ZeRO-1 refuses: ZeRO-2's reduce-scatter reads autograd's
         .grad into the shard, so the next backward adds nothing to what it reduced."""
