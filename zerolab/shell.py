@@ -137,6 +137,9 @@ class EngineShell(nn.Module):
         # The hooks: gradients, forward, state dicts, the torch objects a user reaches.
         self._hook_gradients()
         self.buffer_sync = BufferSync.attach(self, broadcast_buffers)  # before each forward
+        # First of all before a forward, ahead of the buffers' broadcast (and ZeRO-3's gathers):
+        # what the last backward left to reduce (a branch this rank skipped; the Note below).
+        self.module.register_forward_pre_hook(lambda m, a: self._end_last_backward(), prepend=True)
         self._hook_modules()
         self._hook_module_state()  # model.state_dict() and load_state_dict() (parts/habits.py)
         route_optimizer(self)  # optimizer.step(), .zero_grad(), model.zero_grad(): the engine's
@@ -173,8 +176,8 @@ class EngineShell(nn.Module):
     # would say which parameters a backward reaches, but it holds every gradient until the
     # last, and ZeRO-2 frees them as it goes.) A backward that leaves a parameter unused, or
     # one inside no_sync(), ends unsynced: whoever reads the gradients next (parameters(), an
-    # optimizer's step, clip_grad_norm_, step()) reduces what is left first (ZeRO-3: so does
-    # its next forward, which communicates too).
+    # optimizer's step, clip_grad_norm_, step()) reduces what is left first; so does the next
+    # forward or backward, which communicate too (buffers, ZeRO-3's gathers, reductions).
 
     def _backward_starts(self, grad: torch.Tensor) -> None:
         """The first parameter gradient of a backward (multi-grad hook, mode "any")."""
@@ -193,7 +196,7 @@ class EngineShell(nn.Module):
             self.zero_grad()
 
     def _end_last_backward(self) -> None:
-        """Before this rank communicates again (ZeRO-3: before a forward, which gathers)."""
+        """Before this rank communicates again: a forward (buffers, gathers), a backward."""
         if self._accumulated:  # the last backward did not reach every parameter
             self._reduce_rest()  # what it left in the reduction order (ddp.py's Note)
             self._accumulated = 0

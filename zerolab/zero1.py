@@ -138,14 +138,14 @@ class ZeRO1(DDP):
 
     def _reduce_rest(self) -> None:
         """A backward left a bucket incomplete on this rank (a parameter it did not reach, on
-        some ranks only) and a second backward starts before step(): DDP reduces the rest here
-        (ddp.py's Note); a reduce-scatter in place would then be added to by this backward, so
+        some ranks only) and a forward or backward starts before step(): DDP reduces the rest
+        here (ddp.py's Note); a reduce-scatter in place would be added to by a backward, so
         ZeRO-1 refuses rather than train a wrong model (measured 1.6e-2 off one process)."""
         if self._backward_syncs:  # (DDP's test: not inside no_sync())
             raise RuntimeError(
                 f"{type(self).__name__}: the last backward gave no gradient to some parameters "
-                "on this rank (a branch other ranks took?) and another backward started before "
-                "step(). ZeRO-1 cannot reduce those between backward passes: use every parameter "
+                "on this rank (a branch other ranks took?) and a forward or backward started "
+                "before step(). ZeRO-1 cannot reduce those between passes: use every parameter "
                 "on every rank (multiply an unused branch's output by 0), wrap the first "
                 "backward in engine.no_sync(), or use zerolab.ZeRO2 or zerolab.DDP, which do.")
 

@@ -159,8 +159,6 @@ class ZeRO3(ZeRO2):
     def _hook_modules(self) -> None:
         """Each unit's modules: unshard before their forward, reshard after it (and after any
         forward hook registered later: parts/habits.py, keep_last); inputs watched (_leave)."""
-        # First (before the buffers' broadcast): what the last backward left (shell.py, _leave)
-        self.module.register_forward_pre_hook(lambda m, a: self._end_last_backward(), prepend=True)
         for unit in self.units:
             unit.uses = Uses(unit, lambda u=unit: self._leave(u))  # parts/post_backward.py
             for module in unit.modules:

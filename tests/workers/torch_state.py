@@ -56,8 +56,12 @@ class Branchy(nn.Module):
         if spare:
             self.blocks.append(Block())
         self.take = self.use_spare = False
+        # Broadcast before each synced forward, as BatchNorm's statistics are (not saved): a
+        # rank that skipped the branch reduces what it owes before, not after, the broadcast.
+        self.register_buffer("calls", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, WIDTH) -> (batch, 4)
+        self.calls += 1
         for block in self.blocks[:3]:
             x = block(x, self.take)
         if self.use_spare:
