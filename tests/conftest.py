@@ -1,6 +1,7 @@
 """Fixtures shared by several test files: the grader's, and the launches that several files' tests
 read (one launch each, started by whichever of those files runs first)."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,8 @@ from workers import nodes as node_workers
 
 import zerolab
 from zerolab import grading
+from zerolab.grading.defaults import HASH_SEEDS
+from zerolab.launcher import pool, zygote
 
 TESTS = Path(__file__).resolve().parent
 
@@ -58,6 +61,38 @@ def nodes_at_4() -> list[dict]:
 def nodes_reference() -> dict:
     """nodes_at_4's SGD run in one process on the global batch."""
     return node_workers.reference()
+
+
+# ---- zygotes shared by the whole run (zerolab/launcher/pool.py) ---------------------------------
+# `make test` starts a kernel per notebook, grader processes and scripts besides its workers: each
+# would start a zygote per rank index (about 5 s of CPU each, a hundred of them). With xdist, the
+# controller starts one pool before its workers, which every process of the run inherits (ranks
+# 0-3 and the grader's seeds). A nested pytest (a test's own) keeps the pool it inherits.
+
+def pytest_configure(config: pytest.Config) -> None:
+    if (not hasattr(config, "workerinput") and config.getoption("numprocesses", None)
+            and pool.POOL_ENV not in os.environ):
+        config.stash[POOL] = pool.Pool(ranks=4, seeds=HASH_SEEDS)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if POOL in config.stash:
+        config.stash[POOL].close()
+
+
+POOL = pytest.StashKey[pool.Pool]()
+
+
+@pytest.fixture(scope="module")
+def no_pool():
+    """For tests of how zygotes start, die and clean up (and of scripts that start their own):
+    this process's own zygotes, the pool out of the environment, for the module's tests."""
+    folder = os.environ.pop(pool.POOL_ENV, None)
+    zygote.Zygote.close_all()
+    yield
+    zygote.Zygote.close_all()
+    if folder is not None:
+        os.environ[pool.POOL_ENV] = folder
 
 
 # ---- running in parallel (`make test` runs pytest-xdist: `-n N --dist loadscope`) --------------

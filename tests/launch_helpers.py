@@ -9,6 +9,7 @@ to run the function. Each rank writes when it passed each point to files in $ZER
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 import psutil
 import torch.distributed as dist
 
-from zerolab.launcher import local
+from zerolab.launcher import local, pool, zygote
 
 SLOW = 2.0  # seconds: far above the scheduling noise of a loaded machine, short for a test
 
@@ -91,6 +92,13 @@ def spawned_children() -> list[psutil.Process]:
             out.append(child)  # exited but never reaped: left behind as well
         except psutil.NoSuchProcess:
             pass  # gone between listing and looking
+    # Ranks that a pool's zygote forked for this process (zerolab/launcher/pool.py): the pool's
+    # children, not ours.
+    for forker in zygote.Zygote.running():
+        if isinstance(forker.process, pool.PoolZygote):
+            for pid in forker.ranks_running():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    out.append(psutil.Process(pid))
     return out
 
 

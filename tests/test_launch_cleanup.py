@@ -17,6 +17,9 @@ from workers import launch as launch_workers
 import zerolab
 from zerolab.launcher import leftovers
 
+# Zygotes of this process's own: the pool of `make test` would hide what these tests check.
+pytestmark = pytest.mark.usefixtures("no_pool")
+
 
 @pytest.fixture
 def tmpdir_here(tmp_path, monkeypatch):

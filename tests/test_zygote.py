@@ -13,10 +13,14 @@ from pathlib import Path
 
 import launch_helpers
 import psutil
+import pytest
 from workers import launch as launch_workers
 
 import zerolab
 from zerolab.launcher import local, zygote
+
+# Zygotes of this process's own: the pool of `make test` would hide what these tests check.
+pytestmark = pytest.mark.usefixtures("no_pool")
 
 TESTS = Path(__file__).resolve().parent
 

@@ -33,6 +33,7 @@ OWNER = "ZEROLAB_OWNER"  # the caller that launched: "pid.start_time.pid_namespa
 LAUNCH = "ZEROLAB_LAUNCH"  # a rank's launch folder
 LAUNCH_PREFIX = "zerolab-launch-"
 ZYGOTE_PREFIX = "zerolab-zygote-"
+POOL_PREFIX = "zerolab-pool-"  # a pool's folder of zygote sockets (pool.py)
 PROGRESS_PREFIX = "zerolab-progress-"
 OWNER_FILE = "owner"  # in a launch folder: its owner_id
 UNOWNED_AGE_S = 24 * 3600  # a launch folder with no owner file (older zerolab) is stale after
@@ -164,7 +165,7 @@ def _owner_of(path: str, name: str) -> str | None:
             return None
         except OSError:
             return None
-    for prefix in (ZYGOTE_PREFIX, PROGRESS_PREFIX):
+    for prefix in (ZYGOTE_PREFIX, PROGRESS_PREFIX, POOL_PREFIX):
         found = re.match(re.escape(prefix) + r"(\d+\.\d+\.\d+)-", name)  # <prefix><owner>-*
         if found:
             return found.group(1)

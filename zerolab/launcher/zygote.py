@@ -37,6 +37,8 @@ The zygote dies with its caller: when the caller's end of the socket closes (the
 or was killed), or when it is sent SIGTERM or SIGHUP, it kills the ranks still running (each
 rank leads its own process group: the group goes), whatever else its caller's launches
 started, their folders and its own log, and exits (zerolab/launcher/leftovers.py).
+
+A process tree that launches from dozens of processes shares zygotes: pool.py.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from typing import Any
 
 import torch
 
-from zerolab.launcher import leftovers
+from zerolab.launcher import leftovers, pool
 
 # Printed by a rank that failed before its target ran (while it ran the main script again):
 # launch recognises it in the rank's output.
@@ -137,7 +139,10 @@ class Zygote:
         """The zygotes of ranks 0..world_size-1, those missing (or dead) started side by side."""
         with cls._registry_lock:
             missing = [i for i in range(world_size) if cls.current(i) is None]
-            seeds = _hash_seeds(len(missing), taken={z.hash_seed for z in cls.running()})
+            pooled = pool.seeds()
+            seeds = _hash_seeds(len(missing), taken={z.hash_seed for z in cls.running()} | {
+                pooled[i] for i in range(len(pooled)) if i not in missing})
+            seeds = [pooled[i] if i < len(pooled) else seed for i, seed in zip(missing, seeds)]
             started = {i: cls(seed) for i, seed in zip(missing, seeds)}  # importing, in parallel
             cls._by_index.update(started)
             try:
@@ -154,13 +159,33 @@ class Zygote:
         """Rank 0's zygote, started on first use (and again if it has died)."""
         return cls.for_ranks(1)[0]
 
-    def __init__(self, hash_seed: int | str | None = None) -> None:
-        """Start a zygote process (its imports go on in the background: `_wait_ready`).
-        hash_seed: its string-hash seed (None: the caller's PYTHONHASHSEED, else random)."""
+    @classmethod
+    def close_all(cls) -> None:
+        """Close this process's zygotes (a pool's: our connections to them); the next launch
+        starts or connects anew."""
+        with cls._registry_lock:
+            for index in list(cls._by_index):
+                if cls.current(index) is not None:
+                    cls._by_index[index].close()
+                del cls._by_index[index]
+
+    def __init__(self, hash_seed: int | str | None = None, listen: str = "") -> None:
+        """Start a zygote process (its imports go on in the background: `_wait_ready`), or
+        connect to a pool's zygote of the same seed (pool.py).
+        hash_seed: its string-hash seed (None: the caller's PYTHONHASHSEED, else random).
+        listen: a socket path on which it also serves other processes (a Pool's zygote)."""
         if sys.platform != "linux":  # fork, and passing file descriptors, as Linux has them
             raise ZygoteUnavailable(f"no zygote on {sys.platform}")
         self.owner = os.getpid()
         self.hash_seed = _hash_seeds(1, set())[0] if hash_seed is None else hash_seed
+        self._lock = threading.Lock()  # one request at a time: launches from two threads
+        self._started: set[int] = set()  # the pids of the ranks it forked for us
+        self._log_path = ""
+        shared = pool.connect(self.hash_seed, _imported()) if not listen else None
+        if shared is not None:  # a pool's zygote serves us (pool.py); else one of our own
+            self._socket, pid = shared
+            self.process: subprocess.Popen | pool.PoolZygote = pool.PoolZygote(pid)
+            return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         # The zygote imports zerolab and torch from where this process did.
@@ -174,16 +199,17 @@ class Zygote:
                                                suffix=".log")
         self.process = subprocess.Popen(
             [sys.executable, "-c", f"from zerolab.launcher.zygote import serve; "
-                                   f"serve({theirs.fileno()}, {self._log_path!r})"],
+                                   f"serve({theirs.fileno()}, {self._log_path!r}, {listen!r})"],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=log, stderr=log,
             env=env)
         os.close(log)
         theirs.close()
         self._socket = ours
-        self._lock = threading.Lock()  # one request at a time: launches from two threads
 
     def _wait_ready(self) -> None:
         """Wait until the zygote has imported what ranks need, and check it imported ours."""
+        if isinstance(self.process, pool.PoolZygote):  # checked when it connected
+            return
         self._socket.settimeout(300)  # importing torch on a busy machine; not forever
         try:
             ready = self._socket.recv(_MAX_MESSAGE)
@@ -194,11 +220,11 @@ class Zygote:
             self.process.kill()
             self.process.wait()
             raise ZygoteUnavailable("the zygote did not start:\n" + self._output())
-        package = os.path.dirname(os.path.dirname(__file__))  # zerolab/, above launcher/
-        expected = (os.path.join(package, "__init__.py"), torch.__file__)
-        if pickle.loads(ready) != expected:  # another torch or zerolab came first on its path
+        expected = _imported()
+        *imported, _ = pickle.loads(ready)
+        if tuple(imported) != expected:  # another torch or zerolab came first on its path
             self.close()
-            raise ZygoteUnavailable(f"the zygote imported {pickle.loads(ready)}, not {expected}")
+            raise ZygoteUnavailable(f"the zygote imported {tuple(imported)}, not {expected}")
 
     def start(self, target: Callable[..., Any], args: tuple, log_path: str,
               workdir: str | None = None) -> ForkedRank:
@@ -226,10 +252,13 @@ class Zygote:
         if not reply:
             os.close(report_r)
             raise ZygoteUnavailable("the zygote died:\n" + self._output())
-        return ForkedRank(_INT.unpack(reply)[0], report_r)
+        pid = _INT.unpack(reply)[0]
+        self._started = {p for p in self._started if pool.alive(p)} | {pid}
+        return ForkedRank(pid, report_r)
 
     def ranks_running(self) -> list[int]:
-        """The pids of the ranks running now: the zygote's children that have not exited."""
+        """The pids of the ranks running now that it forked for us: its children that have not
+        exited (a pool's zygote has other processes' ranks too)."""
         pids = []
         for entry in os.listdir("/proc"):
             if entry.isdigit():
@@ -239,20 +268,24 @@ class Zygote:
                         state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
                 except (OSError, IndexError):  # exited while we looked
                     continue
-                if int(ppid) == self.process.pid and state != "Z":
+                if int(ppid) == self.process.pid and state != "Z" and int(entry) in self._started:
                     pids.append(int(entry))
         return pids
 
     def close(self) -> None:
-        self._socket.close()  # the zygote sees the end of its input and exits (removing its log)
+        """Close our end: our own zygote exits (removing its log); a pool's ends our ranks."""
+        self._socket.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=10)
-        with contextlib.suppress(OSError):
-            os.remove(self._log_path)
+        if self._log_path:
+            with contextlib.suppress(OSError):
+                os.remove(self._log_path)
 
     def _output(self) -> str:
         """What the zygote printed, once it has died (which removes its log: this does, if
         the zygote could not)."""
+        if not self._log_path:
+            return "(a pool's zygote: its output is in its pool's folder)"
         try:
             with open(self._log_path, errors="replace") as f:
                 return f.read()
@@ -262,6 +295,12 @@ class Zygote:
             if self.process.poll() is not None:
                 with contextlib.suppress(OSError):
                     os.remove(self._log_path)
+
+
+def _imported() -> tuple[str, str]:
+    """The files of zerolab and torch that this process imported (a zygote's must be these)."""
+    package = os.path.dirname(os.path.dirname(__file__))  # zerolab/, above launcher/
+    return os.path.join(package, "__init__.py"), torch.__file__
 
 
 def _hash_seeds(count: int, taken: set) -> list[int | str]:
@@ -295,61 +334,99 @@ def _stop(signum: int, frame: object) -> None:
     raise _Stop()
 
 
-def serve(fd: int, log_path: str = "") -> None:
-    """The zygote: import what every rank needs, then fork one rank per request."""
-    sock = socket.socket(fileno=fd)
+def serve(fd: int, log_path: str = "", listen: str = "") -> None:
+    """The zygote: import what every rank needs, then fork one rank per request. listen: a
+    socket path on which other processes connect too (a pool's zygote: pool.py)."""
+    owner = socket.socket(fileno=fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the ranks and the caller
     for name in PRELOAD:
         importlib.import_module(name)
-    sock.send(pickle.dumps((sys.modules["zerolab"].__file__, torch.__file__)))
-    ranks: dict[int, tuple[int, int]] = {}  # exit pipe's read end -> (pid, report fd)
-    workdirs: set[str] = set()  # the folders of its ranks' launches
+    ready = pickle.dumps((sys.modules["zerolab"].__file__, torch.__file__, os.getpid()))
+    listener = None
+    if listen:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        listener.bind(listen)
+        listener.listen(64)
+    owner.send(ready)
+    # Every caller's socket -> the folders of its launches; a rank's exit pipe -> (pid, report
+    # fd, its caller's socket).
+    callers: dict[socket.socket, set[str]] = {owner: set()}
+    ranks: dict[int, tuple[int, int, socket.socket]] = {}
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _stop)
     zygote = os.getpid()
     try:
         while True:
-            for ready in multiprocessing.connection.wait([sock, *ranks]):
-                if ready is sock:
-                    request, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 2)
-                    if not request:  # the caller is gone: so are its ranks
-                        return
+            for ready_one in multiprocessing.connection.wait(
+                    [*callers, *ranks, *([listener] if listener else [])]):
+                if ready_one is listener:
+                    caller, _ = listener.accept()
+                    caller.send(ready)
+                    callers[caller] = set()
+                elif ready_one in callers:
+                    caller = ready_one
+                    try:
+                        request, fds, _, _ = socket.recv_fds(caller, _MAX_MESSAGE, 2)
+                    except OSError:
+                        request, fds = b"", []
+                    if not request:  # this caller is gone: so are its ranks
+                        if caller is owner:
+                            return
+                        _forget(caller, callers, ranks)
+                        continue
                     report, log = fds
                     request = pickle.loads(request)
-                    exited_r, pid = _fork_rank(request, log, report, sock, ranks)
+                    closed = [fd for exited, (_, theirs, _) in ranks.items()
+                              for fd in (exited, theirs)]
+                    closed += [s.fileno() for s in callers] + ([listener.fileno()] if listener
+                                                               else [])
+                    exited_r, pid = _fork_rank(request, log, report, closed)
                     os.close(log)
-                    ranks[exited_r] = (pid, report)
+                    ranks[exited_r] = (pid, report, caller)
                     if request.get("workdir"):  # forget the folders removed since
-                        workdirs = {w for w in workdirs if os.path.isdir(w)}
-                        workdirs.add(request["workdir"])
-                    sock.send(_INT.pack(pid))
+                        workdirs = {w for w in callers[caller] if os.path.isdir(w)}
+                        callers[caller] = workdirs | {request["workdir"]}
+                    with contextlib.suppress(OSError):
+                        caller.send(_INT.pack(pid))
                 else:
-                    pid, report = ranks.pop(ready)
+                    pid, report, _ = ranks.pop(ready_one)
                     _, status = os.waitpid(pid, 0)
-                    os.write(report, _INT.pack(os.waitstatus_to_exitcode(status)))
+                    with contextlib.suppress(OSError):
+                        os.write(report, _INT.pack(os.waitstatus_to_exitcode(status)))
                     os.close(report)
-                    os.close(ready)
+                    os.close(ready_one)
     except (_Stop, OSError):
         pass
     finally:
         if os.getpid() != zygote:  # a rank that failed before it could run: not the zygote
             os._exit(1)
-        # Whatever the caller's launches left: ranks (their process groups), processes that
-        # carry the mark of one of its launches, their folders, this zygote's log.
-        for pid, _ in ranks.values():
-            leftovers.kill_group(pid)
-        for workdir in workdirs:
-            leftovers.kill_marked(leftovers.LAUNCH, workdir)
-            shutil.rmtree(workdir, ignore_errors=True)
+        for caller in list(callers):
+            _forget(caller, callers, ranks)
+        if listen:
+            with contextlib.suppress(OSError):
+                os.remove(listen)
         if log_path:
             with contextlib.suppress(OSError):
                 os.remove(log_path)
         os._exit(0)
 
 
-def _fork_rank(request: dict, log: int, report: int, sock: socket.socket,
-               ranks: dict[int, tuple[int, int]]) -> tuple[int, int]:
-    """Fork one rank; return (the read end of a pipe that closes when it exits, its pid)."""
+def _forget(caller: socket.socket, callers: dict[socket.socket, set[str]],
+            ranks: dict[int, tuple[int, int, socket.socket]]) -> None:
+    """A caller has gone: kill its ranks (their process groups), whatever carries the mark of
+    one of its launches, and remove their folders. Its ranks' exits are reaped as they come."""
+    for pid, _, theirs in ranks.values():
+        if theirs is caller:
+            leftovers.kill_group(pid)
+    for workdir in callers.pop(caller):
+        leftovers.kill_marked(leftovers.LAUNCH, workdir)
+        shutil.rmtree(workdir, ignore_errors=True)
+    caller.close()
+
+
+def _fork_rank(request: dict, log: int, report: int, closed: list[int]) -> tuple[int, int]:
+    """Fork one rank; return (the read end of a pipe that closes when it exits, its pid).
+    closed: the zygote's descriptors the rank closes (its sockets, other ranks' pipes)."""
     exited_r, exited_w = os.pipe()  # the rank holds the write end until it exits
     zygote_pid = os.getpid()
     pid = os.fork()
@@ -361,11 +438,10 @@ def _fork_rank(request: dict, log: int, report: int, sock: socket.socket,
     os.setsid()
     os.dup2(log, 1)
     os.dup2(log, 2)
-    # The zygote's other descriptors are not the rank's: its socket, the pipe on which the
+    # The zygote's other descriptors are not the rank's: its sockets, the pipe on which the
     # zygote reports this rank's exit, and the pipes of the ranks forked before (holding one
     # would hide that rank's exit).
-    others = [fd for exited, (_, theirs) in ranks.items() for fd in (exited, theirs)]
-    for fd in (log, report, exited_r, sock.fileno(), *others):
+    for fd in (log, report, exited_r, *closed):
         os.close(fd)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for signum in (signal.SIGTERM, signal.SIGHUP):
