@@ -8,6 +8,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -15,22 +16,34 @@ import pytest
 from workers import launch as launch_workers
 
 import zerolab
+from zerolab.grading.defaults import HASH_SEEDS
 from zerolab.launcher import pool, zygote
 
 TESTS = Path(__file__).resolve().parent
-pytestmark = pytest.mark.usefixtures("no_pool")  # this file's own pool, not the session's
+
+
+@dataclass
+class Shared:
+    rank_pids: list[int]  # the pool's zygotes of ranks 0 and 1
+    seed: int  # a fixed seed the pool serves (the grader's hosts ask for theirs)
+    seed_pid: int  # its zygote
 
 
 @pytest.fixture(scope="module")
-def shared(no_pool):
-    """A pool of two rank zygotes and one of a fixed seed, named in this process's environment."""
-    with pool.Pool(ranks=2, seeds=(7,)) as p:
-        yield p
+def shared():
+    """A pool named in this process's environment: `make test`'s own (xdist), else one of this
+    module's, with two rank zygotes and one of a fixed seed."""
+    own = None
+    if not pool.seeds():
+        own = pool.Pool(ranks=2, seeds=(HASH_SEEDS[0],))
+    zygote.Zygote.close_all()  # connect anew, to the pool
+    rank_pids = [z.process.pid for z in zygote.Zygote.for_ranks(2)]
+    fixed = zygote.Zygote(hash_seed=HASH_SEEDS[0])
+    yield Shared(rank_pids, HASH_SEEDS[0], fixed.process.pid)
+    fixed.close()
+    if own is not None:
         zygote.Zygote.close_all()
-
-
-def pids_of(p: pool.Pool) -> list[int]:
-    return [z.process.pid for z in p.zygotes]
+        own.close()
 
 
 def caller_script(tmp_path: Path, body: str) -> Path:
@@ -64,7 +77,7 @@ def alive(pid: int) -> bool:
 
 
 def test_ranks_of_this_process_and_of_a_child_fork_from_the_pool(shared, tmp_path):
-    ranks = pids_of(shared)[:2]
+    ranks = shared.rank_pids
     seen = zerolab.launch(launch_workers.where_am_i, 2, args=("workers",))
     assert [rank["ppid"] for rank in seen] == ranks
     assert [z.process.pid for z in zygote.Zygote.for_ranks(2)] == ranks
@@ -80,7 +93,7 @@ def test_ranks_of_this_process_and_of_a_child_fork_from_the_pool(shared, tmp_pat
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     ppids, own, same = out.stdout.strip().split("|")
-    assert eval(ppids) == [*ranks, int(own)] and int(own) not in pids_of(shared)
+    assert eval(ppids) == [*ranks, int(own)] and int(own) not in [*ranks, shared.seed_pid]
     assert same == "False"  # rank 0 and rank 1 hash strings differently, as under torchrun
     again = zerolab.launch(launch_workers.set_order, 2)  # the pool's seeds stay: the same order
     assert zerolab.launch(launch_workers.set_order, 2) == again
@@ -96,7 +109,7 @@ def test_a_caller_killed_takes_its_ranks_and_folder_not_anothers(shared, tmp_pat
         assert wait_until(lambda: all((tmp_path / f"rank-{r}").exists() for r in (0, 1))), \
             "the ranks did not start"
         ranks = [int((tmp_path / f"rank-{r}").read_text()) for r in (0, 1)]
-        assert [psutil.Process(pid).ppid() for pid in ranks] == pids_of(shared)[:2]
+        assert [psutil.Process(pid).ppid() for pid in ranks] == shared.rank_pids
         # The launch's folder: the one whose owner file names the caller (leftovers.py).
         [workdir] = [path for path in Path(tempfile.gettempdir()).glob("zerolab-launch-*")
                      if (path / "owner").read_text().startswith(f"{caller.pid}.")]
@@ -105,7 +118,7 @@ def test_a_caller_killed_takes_its_ranks_and_folder_not_anothers(shared, tmp_pat
         assert wait_until(lambda: not any(alive(pid) for pid in ranks), timeout=30)
         assert wait_until(lambda: not workdir.exists(), timeout=30)
         # The pool's zygotes serve on: this process's launches, and a fresh connection's.
-        assert all(alive(pid) for pid in pids_of(shared))
+        assert all(alive(pid) for pid in [*shared.rank_pids, shared.seed_pid])
         assert zerolab.launch(launch_workers.all_reduce_rank, 2)[0].item() == 3.0
     finally:
         caller.kill()
@@ -121,7 +134,7 @@ def test_ranks_running_are_ours_only(shared, tmp_path):
     try:
         assert wait_until(lambda: (tmp_path / "rank-0").exists()), "the rank did not start"
         theirs = int((tmp_path / "rank-0").read_text())
-        assert psutil.Process(theirs).ppid() == pids_of(shared)[0]
+        assert psutil.Process(theirs).ppid() == shared.rank_pids[0]
         assert theirs not in zerolab.launcher.local.running_ranks()
     finally:
         caller.kill()
@@ -144,19 +157,19 @@ def test_a_caller_the_pool_cannot_serve_starts_its_own(shared, tmp_path):
         out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                              text=True, env=env, timeout=300)
         assert out.returncode == 0, out.stderr
-        assert int(out.stdout) not in pids_of(shared)
+        assert int(out.stdout) not in [*shared.rank_pids, shared.seed_pid]
     # A seed the pool was started with is served to whoever asks for it (the grader's hosts).
-    fixed = zygote.Zygote(hash_seed=7)
+    fixed = zygote.Zygote(hash_seed=shared.seed)
     fixed._wait_ready()
-    assert fixed.process.pid == pids_of(shared)[2]
+    assert fixed.process.pid == shared.seed_pid
     fixed.close()
-    assert alive(pids_of(shared)[2])
+    assert alive(shared.seed_pid)
 
 
 def test_a_closed_pool_ends_its_zygotes_and_folder(no_pool):
     p = pool.Pool(ranks=1)
     assert os.environ[pool.POOL_ENV] == p.folder
-    zygotes = pids_of(p)
+    zygotes = [z.process.pid for z in p.zygotes]
     p.close()
     assert pool.POOL_ENV not in os.environ and not os.path.exists(p.folder)
     assert wait_until(lambda: not any(alive(pid) for pid in zygotes), timeout=30)

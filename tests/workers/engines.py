@@ -99,14 +99,11 @@ def train_torch_ddp(kind: str) -> dict[str, torch.Tensor]:
 def train_torch_fsdp2(kind: str) -> dict[str, torch.Tensor]:
     """torch's own fully_shard, one unit per block plus the root, like zerolab's default."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from zerolab.bench.baselines import fully_shard_blocks
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = build_model(kind)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fully_shard_blocks(build_model(kind), init_device_mesh("cpu", (world_size,)))
     opt = make_optimizer(model.parameters())
     for x, y in batches(model, rank, world_size):
         model.loss(model(x), y).backward()

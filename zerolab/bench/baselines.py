@@ -28,6 +28,17 @@ from torch.distributed.tensor import DTensor
 from zerolab.memory import Settled, StateTensors, model_state_bytes, optimizer_tensors
 
 
+def fully_shard_blocks(model: nn.Module, mesh: Any, **options: Any) -> nn.Module:
+    """FSDP2 as torchtitan applies it: fully_shard on every block, then on the root (the
+    embeddings, the final LayerNorm, the tied head), zerolab ZeRO-3's default units. `options`
+    go to every fully_shard call (mp_policy, offload_policy, ...)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, **options)
+    return fully_shard(model, mesh=mesh, **options)
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank holds: a DTensor's local shard, or the tensor itself. (Read
     through the tensor-subclass protocol, `__tensor_flatten__`, which names the local tensor's
@@ -137,15 +148,12 @@ class TorchFSDP2(_TorchEngine):
     def __init__(self, model: nn.Module, optimizer_cls: type[torch.optim.Optimizer], *,
                  group: dist.ProcessGroup | None = None, **optimizer_kwargs: Any):
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
         super().__init__(model, group)
         device = next(model.parameters()).device.type
         mesh = (init_device_mesh(device, (self.world_size,)) if group is None
                 else DeviceMesh.from_group(group, device))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)  # the root: embeddings, final LayerNorm, the tied head
+        fully_shard_blocks(model, mesh)
         self.sharded = list(model.parameters())  # DTensors: the optimizer's parameters
         self.slots = parameter_slots(model)  # where FSDP2 registers gathered parameters
         self.optimizer = self.local_optimizer = optimizer_cls(self.sharded, **optimizer_kwargs)

@@ -52,13 +52,11 @@ def zerolab_saves(folder: str, key: str = "zero3", config: GPTConfig = MODEL) ->
 def fsdp2(config: GPTConfig = MODEL, seed: int = 5):
     """FSDP2 as torchtitan applies it: fully_shard on every block, then on the root."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from zerolab.bench.baselines import fully_shard_blocks
 
     model = GPT(GPTConfig(**{**config.__dict__, "seed": seed}))
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard_blocks(model, init_device_mesh("cpu", (dist.get_world_size(),)))
     return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 

@@ -72,14 +72,11 @@ def fsdp2_tracker_peak(config: GPTConfig, batch_size: int) -> int:
     device)."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from zerolab.bench.baselines import fully_shard_blocks
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    model = GPT(config)
-    mesh = init_device_mesh("cpu", (world_size,))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fully_shard_blocks(GPT(config), init_device_mesh("cpu", (world_size,)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     x, y = predict.batch(model, batch_size, None, seed=rank)
     for tracked in (False, True):
