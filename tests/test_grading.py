@@ -204,6 +204,22 @@ def test_the_command_line_grades_the_folder_it_is_given():
     assert status_lines(proc.stdout) == {i: "passed" for i in chosen}, proc.stdout
 
 
+def test_a_script_that_grades_at_its_top_level_unguarded_grades_once(tmp_path):
+    """A learner's script calls grade() with no `if __name__ == "__main__":` guard. A launched
+    rank runs the main script again first (how it finds functions defined there); the grader's
+    processes must not, or each would grade again (minutes, seen: 170 s against 8 s)."""
+    (tmp_path / "grade_it.py").write_text(
+        "import os\n"
+        "from zerolab.grading import grade\n"
+        "open(f'ran-{os.getpid()}', 'w').close()\n"
+        f"print(grade('7.1', path={str(REPO / 'solutions')!r}))\n")
+    proc = subprocess.run([sys.executable, "grade_it.py"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert status_lines(proc.stdout) == {"7.1": "passed"}, proc.stdout
+    assert len(list(tmp_path.glob("ran-*"))) == 1  # the script ran in its own process only
+
+
 def test_untouched_stubs_are_not_attempted_without_a_process(stubs, monkeypatch):
     """The stub as generated is told from its text: no process is started for it."""
     monkeypatch.setattr(runner.session, "run", lambda *args, **kwargs: pytest.fail("a run"))

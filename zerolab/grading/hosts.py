@@ -92,11 +92,15 @@ def start(rank: int, target: Callable[..., Any], args: tuple, log_path: str,
           workdir: str | None = None) -> Any:
     """Start rank `rank`'s process running target(*args), its output going to log_path. The
     result has .pid, .join(timeout), .is_alive(), .exitcode (negative: killed by a signal).
-    workdir: the run's folder, which the host removes if this process dies first."""
+    workdir: the run's folder, which the host removes if this process dies first.
+
+    The process does not run the caller's main script first, as a launched rank does: the
+    grader's target lives in zerolab, and a learner's script that calls grade() at its top
+    level, unguarded, would grade again in every process of its grading."""
     host = _host(rank)
     if host is not None:
         try:
-            return host.start(target, args, log_path, workdir=workdir)
+            return host.start(target, args, log_path, workdir=workdir, main=False)
         except ZygoteUnavailable:
             pass
     with _LOCK, _environment(PYTHONHASHSEED=str(hash_seed(rank))):

@@ -227,13 +227,18 @@ class Zygote:
             raise ZygoteUnavailable(f"the zygote imported {tuple(imported)}, not {expected}")
 
     def start(self, target: Callable[..., Any], args: tuple, log_path: str,
-              workdir: str | None = None) -> ForkedRank:
+              workdir: str | None = None, main: bool = True) -> ForkedRank:
         """Fork a rank that runs target(*args), its stdout and stderr appended to log_path.
-        workdir: its launch's folder, which the zygote removes if this process dies first."""
+        workdir: its launch's folder, which the zygote removes if this process dies first.
+        main: whether the rank runs the caller's main script first, as a spawned one does
+        (how it finds a target defined there); False for a target that lives in a module."""
         # What spawn sends a new process: sys.path, working directory, the main script; not
         # multiprocessing's authentication key, which it refuses to pickle (a rank needs none).
         preparation = multiprocessing.spawn.get_preparation_data("zerolab-rank")
         preparation.pop("authkey", None)
+        if not main:
+            preparation.pop("init_main_from_path", None)
+            preparation.pop("init_main_from_name", None)
         # The work stays pickled until the rank has run the preparation: unpickling it may
         # import the caller's modules, which belong in the rank, not in the zygote.
         request = pickle.dumps({"environ": dict(os.environ), "preparation": preparation,
