@@ -104,10 +104,13 @@ SHARED = {"test_lesson_n00_launch": "lessons_00_03", "test_lesson_n01_memory": "
           "test_lesson_n04_zero2": "lessons_04_07", "test_lesson_n05_zero3": "lessons_04_07",
           "test_lesson_n06_fsdp2": "lessons_04_07", "test_lesson_n07_scaling": "lessons_04_07",
           "test_hsdp": "nodes", "test_peers": "nodes", "test_zeropp": "nodes"}
-LONGEST_FIRST = ["test_grading", "10_bytes_to_seconds", "test_grading_engines", "test_habits",
-                 "09_past_one_node", "11_precision_and_optimizers", "test_grading_adversarial",
-                 "06_fsdp2", "test_grading_wrong", "test_engines", "test_bench", "lessons_00_03",
-                 "lessons_04_07", "09b_built_and_saved", "nodes"]
+LONGEST_FIRST = ["test_grading_engines", "test_grading", "test_zygote", "09_past_one_node",
+                 "test_checkpoint", "test_engines", "06_fsdp2", "test_habits",
+                 "test_grading_adversarial", "test_launch", "test_launch_cleanup",
+                 "11_precision_and_optimizers", "test_browser", "10_bytes_to_seconds",
+                 "test_predict", "test_grading_wrong", "test_lesson_n06_knobs", "test_train",
+                 "test_pool", "08_activations", "test_bench", "09b_built_and_saved", "nodes",
+                 "lessons_00_03", "lessons_04_07"]
 
 
 def _group(path: str) -> str:
