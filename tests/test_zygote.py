@@ -75,6 +75,7 @@ def test_a_dead_zygote_is_replaced_and_a_rank_it_took_along_is_reported():
     assert zerolab.launch(launch_workers.rank_and_size, 2) == [(0, 2, 1), (1, 2, 1)]
     second = zygote.Zygote.for_this_process()
     assert second is not first and second.process.poll() is None
+    assert not os.path.exists(first._log_path)  # the dead one's log went with it
 
 
 def test_the_zygote_and_its_ranks_die_with_their_caller(tmp_path):

@@ -139,6 +139,9 @@ class Zygote:
         """The zygotes of ranks 0..world_size-1, those missing (or dead) started side by side."""
         with cls._registry_lock:
             missing = [i for i in range(world_size) if cls.current(i) is None]
+            for i in missing:  # a dead one's leftovers (its log), as its own exit would
+                if i in cls._by_index and cls._by_index[i].owner == os.getpid():
+                    cls._by_index.pop(i).close()
             pooled = pool.seeds()
             seeds = _hash_seeds(len(missing), taken={z.hash_seed for z in cls.running()} | {
                 pooled[i] for i in range(len(pooled)) if i not in missing})
