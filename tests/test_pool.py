@@ -7,12 +7,12 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
+from launch_helpers import alive, wait_until
 from workers import launch as launch_workers
 
 import zerolab
@@ -58,22 +58,6 @@ def caller_script(tmp_path: Path, body: str) -> Path:
         if __name__ == "__main__":
     """) + textwrap.indent(textwrap.dedent(body), "    "))
     return script
-
-
-def wait_until(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_ranks_of_this_process_and_of_a_child_fork_from_the_pool(shared, tmp_path):

@@ -8,12 +8,12 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import launch_helpers
 import psutil
 import pytest
+from launch_helpers import alive, wait_until
 from workers import launch as launch_workers
 
 import zerolab
@@ -30,15 +30,6 @@ def zygotes_of(process: psutil.Process, count: int) -> list[psutil.Process]:
     found = [c for c in process.children() if launch_helpers.is_zygote(c)]
     assert len(found) == count, found
     return found
-
-
-def wait_until(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_rank_sees_the_callers_environment_directory_and_path_as_they_are_now(
@@ -137,13 +128,6 @@ def test_a_killed_zygote_takes_its_ranks_along(tmp_path):
         assert "was killed by SIGKILL" in out, out
     finally:
         caller.kill()
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def test_the_zygote_runs_a_single_thread_when_it_forks():

@@ -43,12 +43,12 @@ class Pool:
     """The owner's end: zygotes for `ranks` rank indexes (random seeds) and for `seeds`."""
 
     def __init__(self, ranks: int = 4, seeds: Iterable[int] = ()) -> None:
-        from zerolab.launcher.zygote import Zygote, _hash_seeds  # zygote.py imports this file
+        from zerolab.launcher.zygote import Zygote, hash_seeds  # zygote.py imports this file
 
         self.folder = tempfile.mkdtemp(prefix=f"{leftovers.POOL_PREFIX}{leftovers.owner_id()}-")
         wanted = list(dict.fromkeys(seeds))
-        rank_seeds = _hash_seeds(ranks, taken=set(wanted)) if "PYTHONHASHSEED" not in \
-            os.environ else []
+        # A caller's fixed PYTHONHASHSEED: no rank zygotes to share (pool.seeds() says none).
+        rank_seeds = [] if "PYTHONHASHSEED" in os.environ else hash_seeds(ranks, set(wanted))
         self.zygotes = [Zygote(seed, listen=os.path.join(self.folder, f"{seed}.sock"))
                         for seed in [*rank_seeds, *wanted]]  # importing, side by side
         for zygote in self.zygotes:

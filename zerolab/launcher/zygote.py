@@ -143,7 +143,7 @@ class Zygote:
                 if i in cls._by_index and cls._by_index[i].owner == os.getpid():
                     cls._by_index.pop(i).close()
             pooled = pool.seeds()
-            seeds = _hash_seeds(len(missing), taken={z.hash_seed for z in cls.running()} | {
+            seeds = hash_seeds(len(missing), taken={z.hash_seed for z in cls.running()} | {
                 pooled[i] for i in range(len(pooled)) if i not in missing})
             seeds = [pooled[i] if i < len(pooled) else seed for i, seed in zip(missing, seeds)]
             started = {i: cls(seed) for i, seed in zip(missing, seeds)}  # importing, in parallel
@@ -180,7 +180,7 @@ class Zygote:
         if sys.platform != "linux":  # fork, and passing file descriptors, as Linux has them
             raise ZygoteUnavailable(f"no zygote on {sys.platform}")
         self.owner = os.getpid()
-        self.hash_seed = _hash_seeds(1, set())[0] if hash_seed is None else hash_seed
+        self.hash_seed = hash_seeds(1, set())[0] if hash_seed is None else hash_seed
         self._lock = threading.Lock()  # one request at a time: launches from two threads
         self._started: set[int] = set()  # the pids of the ranks it forked for us
         self._log_path = ""
@@ -311,7 +311,7 @@ def _imported() -> tuple[str, str]:
     return os.path.join(package, "__init__.py"), torch.__file__
 
 
-def _hash_seeds(count: int, taken: set) -> list[int | str]:
+def hash_seeds(count: int, taken: set) -> list[int | str]:
     """A string-hash seed for each new zygote: the caller's PYTHONHASHSEED where it set one (as
     every rank of a torchrun job would inherit it), else a different random one each."""
     if "PYTHONHASHSEED" in os.environ:
