@@ -125,8 +125,8 @@ def test_ranks_running_are_ours_only(shared, tmp_path):
 
 
 def test_a_caller_the_pool_cannot_serve_starts_its_own(shared, tmp_path):
-    # A fixed PYTHONHASHSEED (the pool's zygotes have seeds of their own), and another copy of
-    # zerolab than the pool imported: each starts its own zygote.
+    # A fixed PYTHONHASHSEED (the pool's zygotes have seeds of their own), another copy of
+    # zerolab than the pool imported, a pool that has gone: each starts its own zygote.
     script = caller_script(tmp_path, """
         print(zerolab.launch(launch_workers.where_am_i, 1, args=("workers",))[0]["ppid"])
     """)
@@ -137,7 +137,8 @@ def test_a_caller_the_pool_cannot_serve_starts_its_own(shared, tmp_path):
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text())
     for env in ({**os.environ, "PYTHONHASHSEED": "5"},
-                {**os.environ, "PYTHONPATH": str(copy)}):
+                {**os.environ, "PYTHONPATH": str(copy)},
+                {**os.environ, pool.POOL_ENV: str(tmp_path / "a pool that has gone")}):
         out = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True,
                              text=True, env=env, timeout=300)
         assert out.returncode == 0, out.stderr
