@@ -137,21 +137,46 @@ def calculator_output_text(cell) -> str:
     return cell.locator(".jp-OutputArea-output").inner_text()
 
 
+def run_cell(page, cell, attempts: int = 3) -> None:
+    """Run one cell, and return once the kernel has taken it (its prompt changed to [*] or [n]).
+
+    A keystroke can be lost: a dialog JupyterLab opens late, or a click that lands while the
+    notebook is still laying out, takes the focus. So wait for an idle kernel, press Shift+Enter,
+    and press again if the prompt did not change.
+    """
+    prompt = cell.locator(".jp-InputPrompt")
+    before = prompt.inner_text()
+    for _ in range(attempts):
+        # The kernel imports torch and zerolab first: seconds on a quiet machine, minutes when
+        # the suite's other worker runs ranks beside it.
+        page.wait_for_selector('.jp-Notebook-ExecutionIndicator[data-status="idle"]',
+                               state="attached", timeout=300_000)
+        dismiss_popups(page)
+        cell.scroll_into_view_if_needed()
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        try:
+            page.wait_for_function("([el, before]) => el.innerText !== before",
+                                   arg=[prompt.element_handle(), before], timeout=30_000)
+            return
+        except playwright.TimeoutError:
+            continue
+    shot(page, "run-cell-failed.png")
+    raise AssertionError(f"the cell did not run after {attempts} tries (prompt still {before!r});"
+                         f" see {ARTIFACTS / 'run-cell-failed.png'}")
+
+
 def test_calculator_widget_renders_and_updates(browser, lab):
     page = open_notebook(browser, lab, WIDGET_NOTEBOOK)
     cell = page.locator(".jp-CodeCell", has_text="calculator(").last
-    cell.scroll_into_view_if_needed()
-    cell.locator(".jp-InputArea-editor").click()
-    # Wait for the kernel, then run just this cell (it imports what it needs).
-    page.wait_for_function("() => !document.querySelector('.jp-Notebook-ExecutionIndicator')"
-                           " || !document.body.innerText.includes('Connecting')",
-                           timeout=60_000)
-    page.keyboard.press("Shift+Enter")
+    run_cell(page, cell)
     controls = cell.locator(".jupyter-widgets select, .jupyter-widgets input, "
                             ".jupyter-widgets .widget-slider")
-    # The kernel starts and imports torch and zerolab first: seconds on a quiet machine, over a
-    # minute when the suite's other worker runs ranks beside it (seen: 90 s was not enough).
-    controls.first.wait_for(timeout=300_000)
+    try:
+        controls.first.wait_for(timeout=300_000)
+    except playwright.TimeoutError:
+        shot(page, "calculator-failed.png")
+        raise
     page.wait_for_timeout(1000)
     shot(cell, "calculator-before.png")
     before = calculator_output_text(cell)
