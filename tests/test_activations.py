@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zerolab import activations, theory
-from zerolab.grading.check import _load_module
+from zerolab.grading.check import load_module
 from zerolab.grading.defaults import SOLUTIONS_DIR
 from zerolab.lessons import n08_activations as lesson
 from zerolab.memory import SavedForBackward, module_state, track_memory
@@ -33,7 +33,7 @@ def small(seq_len: int, attention: str = "sdpa", checkpoint: str = "none") -> GP
 
 @pytest.fixture(scope="module")
 def solutions():
-    return _load_module(SOLUTIONS_DIR / "ex08_activations.py")
+    return load_module(SOLUTIONS_DIR / "ex08_activations.py")
 
 
 # ---- the hooks ----------------------------------------------------------------------------------

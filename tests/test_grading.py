@@ -112,7 +112,7 @@ def test_stubs_keep_docstrings_and_raise_the_exercise(stubs):
         assert call.func.id == "NotImplementedError"
         assert call.args[0].value == task.replace('"', "'")
     # The stubs import (a learner runs them) and raise what the grader calls "not attempted".
-    module = check._load_module(stubs / "ex07_scaling.py")
+    module = check.load_module(stubs / "ex07_scaling.py")
     with pytest.raises(NotImplementedError, match=r"^Exercise 7\.1: "):
         module.largest_model(80e9, 8, "ZeRO-3")
 
@@ -348,7 +348,7 @@ def test_a_solved_copy_is_green_but_for_a_wrong_answer(tmp_path):
 
 def test_mutation_tool_on_a_sample():
     """tests/mutation.py makes every kind of mutant, and the grader kills a fixed sample."""
-    mutation = check._load_module(REPO / "tests" / "mutation.py")
+    mutation = check.load_module(REPO / "tests" / "mutation.py")
     kinds = {m.kind.split()[0] for i in FUNCTIONS for m in mutation.mutants_of(i)}
     assert {"operator", "comparison", "integer", "string", "rank", "slice", "statement",
             "keyword", ".clone()", "min"} <= kinds

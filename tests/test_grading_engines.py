@@ -24,7 +24,7 @@ from patches import answers, apply_diff
 
 from zerolab import grading
 from zerolab.grading import engine_model, engine_verdict
-from zerolab.grading.check import _load_module
+from zerolab.grading.check import load_module
 
 REPO = Path(__file__).resolve().parent.parent
 DIFFS = REPO / "tests" / "grading_wrong_engines"  # <id>-<what>.diff against solutions/
@@ -102,7 +102,7 @@ def test_engine_exercises_are_registered(capsys):
         ex = grading.EXERCISES[ex_id]
         assert (ex.kind, ex.module, ex.distributed) == ("engine", module, True)
         assert ex.stage in engine_model.STAGES and ex.mistakes
-        solution = _load_module(REPO / "solutions" / f"{module}.py")
+        solution = load_module(REPO / "solutions" / f"{module}.py")
         assert isinstance(getattr(solution, ex.function), type)
     assert grading.main(["--list"]) == 0
     listing = [line.split() for line in capsys.readouterr().out.splitlines()]

@@ -26,7 +26,7 @@ from zerolab.grading import (
     session,
     tamper,
 )
-from zerolab.grading.check import _load_module
+from zerolab.grading.check import load_module
 from zerolab.grading.defaults import HASH_SEEDS
 from zerolab.grading.mistakes import Evidence
 from zerolab.grading.session import Stop
@@ -104,10 +104,10 @@ def test_a_replaced_function_is_seen_and_a_new_module_is_not(monkeypatch):
     before = tamper.snapshot()
     assert tamper.replaced(before) == []
     import zerolab.grading.compare as compare
-    monkeypatch.setattr(compare, "_compare", lambda *a: None)
+    monkeypatch.setattr(compare, "compare_values", lambda *a: None)
     monkeypatch.setattr(torch.Tensor, "__eq__", lambda *a: True, raising=False)
     assert tamper.replaced(before) == ["torch.Tensor.__eq__",
-                                       "zerolab.grading.compare._compare"]
+                                       "zerolab.grading.compare.compare_values"]
     monkeypatch.undo()
     import json.tool  # noqa: F401  (a module imported later adds names: not a change)
     assert tamper.replaced(before) == []
@@ -128,14 +128,14 @@ def test_answers_built_on_the_reference_are_told(tmp_path):
                     "        yield\n"
                     "class Engine(Own, zerolab.zero2.ZeRO2):\n    pass\n")
     before = set(sys.modules)
-    module = _load_module(mine, prefix="_test_borrowed")
+    module = load_module(mine, prefix="_test_borrowed")
     assert borrowed.in_module(module, module.largest_model, str(mine), "plain", before) == \
         ["your answer is the function shard of zerolab/sharding.py"]
     assert borrowed.in_module(module, module.Own, str(mine), "engine", before) == []
     assert borrowed.in_module(module, module.Engine, str(mine), "engine", before) == \
         ["Engine is built on ZeRO2, zerolab's engine in zerolab/zero2.py"]
     solution = Path(borrowed.SOLUTIONS_DIR) / "ex07_scaling.py"
-    graded = _load_module(solution, prefix="_test_borrowed")
+    graded = load_module(solution, prefix="_test_borrowed")
     assert borrowed.in_module(graded, graded.largest_model, str(solution), "plain", before) == []
     held = module.Own()
     held.inner = [object.__new__(torch.nn.parallel.DistributedDataParallel)]

@@ -1,6 +1,6 @@
 """How the grader's report names the folder it graded."""
 
-from zerolab.grading.report import _shown
+from zerolab.grading.report import shown_path
 
 
 def test_the_graded_folder_is_shown_without_this_machines_path(tmp_path, monkeypatch):
@@ -8,8 +8,8 @@ def test_the_graded_folder_is_shown_without_this_machines_path(tmp_path, monkeyp
     (tmp_path / "notebooks").mkdir()
     (tmp_path / "exercises" / "sub").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "notebooks")
-    assert _shown(tmp_path / "exercises") == "../exercises"
+    assert shown_path(tmp_path / "exercises") == "../exercises"
     monkeypatch.chdir(tmp_path)
-    assert _shown(tmp_path / "exercises" / "sub") == "exercises/sub"
+    assert shown_path(tmp_path / "exercises" / "sub") == "exercises/sub"
     elsewhere = tmp_path.parent.parent / "elsewhere"  # neither below nor beside
-    assert _shown(elsewhere) == str(elsewhere)
+    assert shown_path(elsewhere) == str(elsewhere)

@@ -14,7 +14,7 @@ import torch
 
 import zerolab
 from zerolab import theory
-from zerolab.grading.check import _load_module
+from zerolab.grading.check import load_module
 from zerolab.grading.defaults import SOLUTIONS_DIR
 from zerolab.lessons import n09_nodes as lesson
 from zerolab.models import GPT, num_params
@@ -32,7 +32,7 @@ def runs() -> list[lesson.NodesLesson]:
 
 @pytest.fixture(scope="module")
 def solutions():
-    return _load_module(SOLUTIONS_DIR / "ex09_nodes.py")
+    return load_module(SOLUTIONS_DIR / "ex09_nodes.py")
 
 
 def crossing_calls(run: lesson.NodesLesson, variant: str) -> int:

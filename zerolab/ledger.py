@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from zerolab.memory import MemoryTrace, SavedForBackward, _Tracker, track_memory
+from zerolab.memory import MemoryTrace, SavedForBackward, TensorTracker, track_memory
 
 if TYPE_CHECKING:  # the engine contract: the shell (a cycle at run time)
     from zerolab.shell import EngineShell
@@ -75,7 +75,7 @@ class Ledger:
         return lines
 
 
-class _LedgerTracker(_Tracker):
+class _LedgerTracker(TensorTracker):
     """zerolab.memory's tracker, which also remembers when each storage was made, and keeps
     what was alive, and in which category, at the peak."""
 

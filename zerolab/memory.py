@@ -20,7 +20,7 @@ after every op, so a tensor that an op allocates and Python code only then store
 assigned to .grad) counts as "other" until the next op; totals are exact at every op. A storage
 listed in two categories counts in the first: params, grads, optimizer, comm, activations.
 An optimizer's state is given as `Settled(...)`: it changes only inside `optimizer.step()`, so
-the tracker reads it when a step is over instead of after every op (see the Note in _Tracker).
+the tracker reads it when a step is over instead of after every op (see the Note in TensorTracker).
 
 `track_memory(categorize, activations=True)` adds an "activations" category: the storages
 autograd holds *right now* to compute the backward (`SavedForBackward`: a
@@ -225,7 +225,7 @@ class _Storage:
         self.ref, self.nbytes, self.category, self.born = ref, nbytes, "other", None
 
 
-class _Tracker(TorchDispatchMode):
+class TensorTracker(TorchDispatchMode):
     """Sees every op's outputs; a finalizer on each new storage tells when it is freed."""
 
     # Note: a ledger, not a census. The tracker keeps every live storage with its bytes and
@@ -459,7 +459,7 @@ class track_memory:  # noqa: N801 (used like a function: `with track_memory(...)
     def __init__(self, categorize: Callable[[], StateTensors] | None = None,
                  activations: bool = False):
         self.trace = MemoryTrace()
-        self._tracker = _Tracker(categorize, self.trace, activations)
+        self._tracker = TensorTracker(categorize, self.trace, activations)
         self._saved = (SavedForBackward(self._tracker.saved, self._tracker.released)
                        if activations else None)
 

@@ -69,7 +69,7 @@ class Prediction:
         return lines + [f"{'= peak (' + self.phase + ')':22}{self.peak_bytes:>16,} B"]
 
 
-class _Timeline(TorchDispatchMode):
+class Timeline(TorchDispatchMode):
     """Follows every storage an op makes under FakeTensorMode (its bytes, the phase it was made
     in, whether autograd holds it), adds the schedule's bytes, and keeps the largest total.
     The ledger's tracker (ledger.py) on live tensors; these have a size and no memory."""
@@ -211,7 +211,7 @@ def peaks(build: Callable[[], nn.Module], stage: str | int, world_sizes: Sequenc
         schedule = SCHEDULES[stage](model, world_sizes, rank, tile_numel=tile_numel,
                                     mixed=param_dtype is not None, gloo=gloo,
                                     bucket_bytes=bucket_bytes)
-        timeline = schedule.timeline = _Timeline(schedule)
+        timeline = schedule.timeline = Timeline(schedule)
         timeline.ignored |= {id(t.untyped_storage()) for t in [*model.parameters(), x, y]}
         schedule.hold()
         schedule.add("inputs", inputs)
@@ -230,7 +230,7 @@ def peaks(build: Callable[[], nn.Module], stage: str | int, world_sizes: Sequenc
 
 
 def _step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, policy: MixedPrecisionPolicy,
-          schedule: Schedule, timeline: _Timeline) -> None:
+          schedule: Schedule, timeline: Timeline) -> None:
     """ledger.measure's step, on fake tensors: forward, backward, then the step's moments."""
     with timeline, SavedForBackward(timeline.saved, timeline.released):
         loss = model.loss(policy.forward(model, (x,), {}), y)  # the engine's forward

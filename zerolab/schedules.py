@@ -29,7 +29,7 @@ from zerolab.sharding import FlatLayout
 from zerolab.units import make_units
 
 if TYPE_CHECKING:
-    from zerolab.predict import _Timeline
+    from zerolab.predict import Timeline
 
 ADAM_STATES = 2  # fp32 tensors per element AdamW keeps: exp_avg, exp_avg_sq
 STEP_COUNTER_BYTES = 4  # AdamW's step, one fp32 scalar per tensor it steps (a tile here)
@@ -80,7 +80,7 @@ class Schedule:
         self.zero = zero
         self.listed: dict[int, str] = {}  # id(storage) of a live tensor -> the engine's category
         self.pending: list[tuple[str, np.ndarray]] = []  # (category, bytes) a collective holds
-        self.timeline: _Timeline | None = None
+        self.timeline: Timeline | None = None
         self.buckets = self.make_buckets(bucket_bytes)
 
     def add(self, category: str, nbytes, padding=0) -> None:

@@ -56,7 +56,7 @@ def parameter_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return [(m, name) for m in model.modules() for name, _ in m.named_parameters(recurse=False)]
 
 
-class _TorchEngine:
+class TorchEngine:
     """What the three share: the engine interface over a wrapped module and an optimizer."""
 
     name = "torch"
@@ -96,7 +96,7 @@ class _TorchEngine:
                 for k, v in self.module.state_dict().items()}
 
 
-class TorchDDP(_TorchEngine):
+class TorchDDP(TorchEngine):
     """torch's DistributedDataParallel with a plain optimizer."""
 
     name = "torch_ddp"
@@ -125,7 +125,7 @@ class TorchZeRO(TorchDDP):
                  **optimizer_kwargs: Any):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        _TorchEngine.__init__(self, model, group)
+        TorchEngine.__init__(self, model, group)
         self.ddp = _wrap_ddp(model, group, bucket_bytes)
         self.params = list(model.parameters())
         self.optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_cls,
@@ -140,7 +140,7 @@ class TorchZeRO(TorchDDP):
         return {"tensors": len(mine), "numel": sum(p.numel() for p in mine)}
 
 
-class TorchFSDP2(_TorchEngine):
+class TorchFSDP2(TorchEngine):
     """torch's FSDP2: fully_shard on every block, then on the root."""
 
     name = "torch_fsdp2"

@@ -22,7 +22,7 @@ from zerolab.grading import flight
 from zerolab.grading.data import encode
 from zerolab.grading.defaults import SOLUTIONS_DIR
 from zerolab.grading.exercise import BadReturn, Case, Exercise
-from zerolab.grading.storage import _snapshot, _what_changed
+from zerolab.grading.storage import snapshot_of, what_changed
 
 
 def positions(ex: Exercise) -> dict[str, int]:
@@ -47,7 +47,7 @@ def call(ex: Exercise, fn: Callable, case: Case, positions: dict[str, int], rank
     {"bad return": why} when it returned something of the wrong kind. An exception of `fn`
     propagates. flight_path: where to write each collective as it is issued (flight.py)."""
     args = case.make(rank)
-    before = {name: _snapshot(args[i]) for name, i in positions.items()}
+    before = {name: snapshot_of(args[i]) for name, i in positions.items()}
     collectives: list[dict] = []
     if not ex.distributed:
         result = fn(*args)
@@ -69,5 +69,5 @@ def call(ex: Exercise, fn: Callable, case: Case, positions: dict[str, int], rank
         outputs["comm ops"] = sorted({e["op"] for e in collectives})
         outputs["bytes sent"] = log.total_ring_bytes()
     changed = {name: why for name, i in positions.items()
-               if (why := _what_changed(before[name], args[i])) is not None}
+               if (why := what_changed(before[name], args[i])) is not None}
     return {"outputs": encode(outputs), "changed": changed, "collectives": collectives}

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from zerolab.grading.exercise import Case, Exercise
-from zerolab.grading.inputs import STAGES, _fixed, _stage_moved
+from zerolab.grading.inputs import STAGES, fixed, stage_moved
 from zerolab.grading.mistakes import Evidence, Mistake, any_of, matches, solution_with
 
 
@@ -19,7 +19,7 @@ def _cases_1_1() -> list[Case]:
                 for stage in STAGES:
                     cases.append(Case(f"Ψ={num_params:g}, N={n}, {stage}, bytes per parameter "
                                       f"(param, grad, optimizer)=({p}, {g}, {k})",
-                                      _fixed(num_params, n, stage, p, g, k)))
+                                      fixed(num_params, n, stage, p, g, k)))
     return cases
 
 
@@ -32,7 +32,7 @@ def _other_stage(step: int) -> Mistake:
         f"You sharded {more} categories than this stage does. ZeRO-1 shards only the "
         f"optimizer state; ZeRO-2 the gradients too; ZeRO-3 the parameters too. What is not "
         f"sharded stays whole on every rank.",
-        matches(solution_with(_stage_moved(step))))
+        matches(solution_with(stage_moved(step))))
 
 
 def _cases_1_2() -> list[Case]:

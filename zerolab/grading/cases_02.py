@@ -10,21 +10,21 @@ import torch
 from zerolab.grading.exercise import (
     Case,
     Exercise,
-    _new_memory_outputs,
-    _own_memory_outputs,
+    new_memory_outputs,
+    own_memory_outputs,
 )
-from zerolab.grading.inputs import _gen, _ints, non_contiguous
+from zerolab.grading.inputs import ints, non_contiguous, rng
 from zerolab.grading.mistakes import (
     DTYPE_LOST,
     Evidence,
     Mistake,
-    _same,
     any_of,
     bytes_times,
     matches,
     memory_mistakes,
     over_world_size,
     padding_kept,
+    same_value,
     times_world_size,
     used_any_of,
     used_instead,
@@ -49,26 +49,26 @@ def _cases_2_1(n: int) -> list[Case]:
                   article)]
     for k in (1, 3):
         cases.append(Case(f"random integers, {n} chunks of {k}",
-                          lambda rank, k=k: (_ints(_gen("2.1", k, rank), n * k),)))
+                          lambda rank, k=k: (ints(rng("2.1", k, rank), n * k),)))
     return cases + [Case(f"random integers, {n} chunks of 2, {label}",
                          lambda rank, d=dtype, c=contiguous: (
-                             _kind(_ints(_gen("2.1", 2, rank), n * 2), d, c),))
+                             _kind(ints(rng("2.1", 2, rank), n * 2), d, c),))
                     for label, dtype, contiguous in _KINDS]
 
 
 def _cases_2_2(n: int) -> list[Case]:
-    cases = [Case(f"shards of {k}", lambda rank, k=k: (torch.randn(k, generator=_gen(
+    cases = [Case(f"shards of {k}", lambda rank, k=k: (torch.randn(k, generator=rng(
                  "2.2", k, rank)),)) for k in (1, 2, 5)]
     return cases + [Case(f"shards of 3, {label}", lambda rank, d=dtype, c=contiguous: (
-                    _kind(_ints(_gen("2.2", 3, rank), 3), d, c),))
+                    _kind(ints(rng("2.2", 3, rank), 3), d, c),))
                     for label, dtype, contiguous in _KINDS]
 
 
 def _cases_2_3(n: int) -> list[Case]:
-    cases = [Case(f"shape {shape}", lambda rank, s=shape: (_ints(_gen("2.3", s, rank), *s),))
+    cases = [Case(f"shape {shape}", lambda rank, s=shape: (ints(rng("2.3", s, rank), *s),))
              for shape in ((1,), (5, 3), (2 * n,), (2, 3, 4))]
     return cases + [Case(f"shape (5, 3), {label}", lambda rank, d=dtype, c=contiguous, k=label: (
-                    _kind(_ints(_gen("2.3", k, rank), 5, 3), d, c),))
+                    _kind(ints(rng("2.3", k, rank), 5, 3), d, c),))
                     for label, dtype, contiguous in _KINDS]
 
 
@@ -100,14 +100,14 @@ def _partial_sum(ev: Evidence) -> bool:
     """2.1's chunk `rank` summed over some of the ranks only."""
     n = ev.world_size
     mine = [ev.inputs(r)[0].chunk(n)[ev.rank] for r in range(n)]
-    return any(_same(sum(mine[r] for r in subset), ev.got)
+    return any(same_value(sum(mine[r] for r in subset), ev.got)
                for size in range(1, n) for subset in itertools.combinations(range(n), size))
 
 
 def _own_shard_missing(ev: Evidence) -> bool:
     k = ev.inputs()[0].numel()
     mine = ev.got.reshape(-1)[ev.rank * k:(ev.rank + 1) * k]
-    return ev.got.shape == ev.expected.shape and not _same(ev.inputs()[0], mine)
+    return ev.got.shape == ev.expected.shape and not same_value(ev.inputs()[0], mine)
 
 
 def _shards_misplaced(ev: Evidence) -> bool:
@@ -128,7 +128,7 @@ def _stripped_at_the_wrong_end(ev: Evidence) -> bool:
     zeros = torch.zeros(_padded_numel(ev) - mean.numel())
     front = torch.cat([zeros, mean])[:mean.numel()]
     back = torch.cat([mean, zeros])[zeros.numel():]
-    return zeros.numel() > 0 and any(_same(w.view(ev.expected.shape), ev.got)
+    return zeros.numel() > 0 and any(same_value(w.view(ev.expected.shape), ev.got)
                                      for w in (front, back))
 
 
@@ -139,7 +139,7 @@ EXERCISES = [
              "adds the chunk it receives into its own copy of that chunk; work on a copy of "
              "`tensor`. Choose the first chunk so that chunk r's complete sum lands on rank r "
              "at the last step.",
-             _cases_2_1, distributed=True, comm_checked=True, outputs=_own_memory_outputs,
+             _cases_2_1, distributed=True, comm_checked=True, outputs=own_memory_outputs,
              hints=("At step s, rank r sends chunk (r - s - 1) % N and adds what it receives "
                     "into chunk (r - s - 2) % N. Receive into a fresh buffer "
                     "(torch.empty_like) and add it; tensor.clone().chunk(N) gives views of one "
@@ -170,7 +170,7 @@ EXERCISES = [
              "Put your own shard in its place first; then at each step send the shard you "
              "received last (your own at the first step) and receive the next one straight "
              "into its place in the output. Try it on paper for 3 ranks.",
-             _cases_2_2, distributed=True, comm_checked=True, outputs=_own_memory_outputs,
+             _cases_2_2, distributed=True, comm_checked=True, outputs=own_memory_outputs,
              hints=("out = torch.empty(N * k); chunks = out.chunk(N) are views into it; "
                     "chunks[rank].copy_(shard); at step s send chunk (r - s) % N and receive "
                     "into chunk (r - s - 1) % N.",),
@@ -189,7 +189,7 @@ EXERCISES = [
              "Flatten, pad with zeros to world_size * ceil(numel / world_size) elements, "
              "reduce-scatter with op='avg', all-gather the shards, then strip the padding and "
              "restore the shape.",
-             _cases_2_3, distributed=True, comm_checked=True, outputs=_new_memory_outputs,
+             _cases_2_3, distributed=True, comm_checked=True, outputs=new_memory_outputs,
              hints=("With k = ceil(numel / world_size): comm.reduce_scatter(mine, padded, "
                     "op='avg', tag=..., group=group) reads padded (N*k,) and fills mine (k,); "
                     "comm.all_gather(full, mine, tag=..., group=group) fills full (N*k,); "
@@ -209,7 +209,7 @@ EXERCISES = [
                          padding_kept),
                  Mistake("flat, not in the input's shape",
                          "Return the input's shape: view the flat result as tensor.shape.",
-                         lambda ev: ev.got.shape != ev.expected.shape and _same(
+                         lambda ev: ev.got.shape != ev.expected.shape and same_value(
                              ev.expected.reshape(-1), ev.got.reshape(-1))),
                  Mistake("the padding stripped at the wrong end",
                          "Pad and strip at the same end: the zeros go after the last element, "

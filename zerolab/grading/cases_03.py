@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from zerolab.grading.exercise import Case, Exercise, _own_memory_outputs, _tuple_outputs
-from zerolab.grading.inputs import SHAPE_GROUPS, _gen, _ints, _shards, _tensors, non_contiguous
+from zerolab.grading.exercise import Case, Exercise, own_memory_outputs, tuple_outputs
+from zerolab.grading.inputs import SHAPE_GROUPS, ints, non_contiguous, rng, shards_of, tensors_of
 from zerolab.grading.mistakes import (
     DTYPE_LOST,
     Evidence,
@@ -27,13 +27,13 @@ from zerolab.sharding import FlatLayout
 
 def _cases_3_1() -> list[Case]:
     cases = [Case(f"{name}, world_size {n}, rank {r}",
-                  lambda rank, name=name, s=shapes, r=r, n=n: (_tensors(("3.1", name), s), r, n))
+                  lambda rank, name=name, s=shapes, r=r, n=n: (tensors_of(("3.1", name), s), r, n))
              for name, shapes in SHAPE_GROUPS.items() for n in (1, 2, 3, 4) for r in range(n)]
     shapes = SHAPE_GROUPS["shapes (2, 3), (5,)"]
     kinds = {"in float64": lambda t: t.double(), "in bfloat16": lambda t: t.bfloat16(),
              "as non-contiguous views": non_contiguous}
     return cases + [Case(f"shapes (2, 3), (5,) {kind}, world_size 4, rank {r}",
-                         lambda rank, r=r, f=f: ([f(t) for t in _tensors(("3.1", "f64"), shapes)],
+                         lambda rank, r=r, f=f: ([f(t) for t in tensors_of(("3.1", "f64"), shapes)],
                                                  r, 4))
                     for kind, f in kinds.items() for r in range(4)]
 
@@ -41,7 +41,7 @@ def _cases_3_1() -> list[Case]:
 def _cases_3_2() -> list[Case]:
     def make(name: str, n: int, dtype: torch.dtype = torch.float32) -> Callable[[int], tuple]:
         shapes = SHAPE_GROUPS[name]
-        return lambda rank: (_shards([t.to(dtype) for t in _tensors(("3.2", name), shapes)], n),
+        return lambda rank: (shards_of([t.to(dtype) for t in tensors_of(("3.2", name), shapes)], n),
                              [torch.Size(s) for s in shapes])
     return [Case(f"{name}, world_size {n}", make(name, n))
             for name in SHAPE_GROUPS for n in (1, 2, 3, 4)] + [
@@ -54,10 +54,10 @@ def _cases_3_3(n: int) -> list[Case]:
         shapes = SHAPE_GROUPS[name]
 
         def args(rank: int) -> tuple:
-            params = [t.to(dtype) for t in _tensors(("3.3", name), shapes)]  # same everywhere
-            grads = [_ints(_gen("3.3", name, rank, i), *s).to(dtype)
+            params = [t.to(dtype) for t in tensors_of(("3.3", name), shapes)]  # same everywhere
+            grads = [ints(rng("3.3", name, rank, i), *s).to(dtype)
                      for i, s in enumerate(shapes)]
-            momentum = _ints(_gen("3.3", name, rank),
+            momentum = ints(rng("3.3", name, rank),
                              FlatLayout.of(params, n).shard_numel).to(dtype)
             return params, grads, momentum, 0.1, 0.9
         return args
@@ -100,7 +100,7 @@ EXERCISES = [
              "Concatenate the flattened tensors, copy them into a zero buffer of world_size * "
              "ceil(numel / world_size) elements (zeros at the end), and take rank `rank`'s "
              "slice of shard_numel elements, as a copy.",
-             _cases_3_1, outputs=_own_memory_outputs,
+             _cases_3_1, outputs=own_memory_outputs,
              hints=("shard_numel = -(-numel // world_size) (ceil); padded = torch.zeros("
                     "shard_numel * world_size, dtype=...); padded[:numel] = flat; return "
                     "padded[rank * shard_numel:(rank + 1) * shard_numel].clone().",),
@@ -150,7 +150,7 @@ EXERCISES = [
              "params. zerolab.sharding's FlatLayout.of, flatten, shard and unflatten do the "
              "layout.",
              _cases_3_3, distributed=True, comm_checked=True,
-             outputs=_tuple_outputs("params", "momentum"),
+             outputs=tuple_outputs("params", "momentum"),
              hints=("layout = FlatLayout.of(params, world_size); comm.reduce_scatter(grad, "
                     "flatten(grads, layout), op='avg', ...) fills grad (shard_numel,); "
                     "momentum = beta * momentum + grad; param_shard = shard(flatten(params, "

@@ -9,8 +9,15 @@ import torch
 from torch import nn
 
 from zerolab.grading.exercise import Case, Exercise
-from zerolab.grading.inputs import SHAPE_GROUPS, _gen, _ints, _tensors, non_contiguous
-from zerolab.grading.mistakes import DTYPE_LOST, Evidence, Mistake, _same, matches, used_instead
+from zerolab.grading.inputs import SHAPE_GROUPS, ints, non_contiguous, rng, tensors_of
+from zerolab.grading.mistakes import (
+    DTYPE_LOST,
+    Evidence,
+    Mistake,
+    matches,
+    same_value,
+    used_instead,
+)
 from zerolab.sharding import FlatLayout
 
 
@@ -20,11 +27,11 @@ def _cases_4_1(n: int) -> list[Case]:
         shapes = SHAPE_GROUPS[name]
 
         def args(rank: int) -> tuple:
-            params = [nn.Parameter(t.to(dtype)) for t in _tensors(("4.1", name), shapes)]
+            params = [nn.Parameter(t.to(dtype)) for t in tensors_of(("4.1", name), shapes)]
             for i, p in enumerate(params):
-                grad = _ints(_gen("4.1", name, rank, i), *p.shape).to(dtype)
+                grad = ints(rng("4.1", name, rank, i), *p.shape).to(dtype)
                 p.grad = grad if contiguous else non_contiguous(grad)
-            grad_shard = _ints(_gen("4.1", name, rank),
+            grad_shard = ints(rng("4.1", name, rank),
                                FlatLayout.of(params, n).shard_numel).to(dtype)
             return params, grad_shard
         return args
@@ -61,7 +68,7 @@ EXERCISES = [
                          "The caller's grad_shard is unchanged: `grad_shard = grad_shard + x` "
                          "makes a new tensor under your local name. Change the caller's "
                          "tensor in place (+= or add_).",
-                         lambda ev: _same(_before(ev), ev.got), output="grad_shard"),
+                         lambda ev: same_value(_before(ev), ev.got), output="grad_shard"),
                  Mistake("the earlier micro-batches overwritten",
                          "grad_shard already holds earlier micro-batches: add into it, do not "
                          "overwrite it.",

@@ -9,17 +9,17 @@ import torch
 from torch import nn
 
 from zerolab.grading.exercise import Args, BadReturn, Case, Exercise
-from zerolab.grading.inputs import SHAPE_GROUPS, _shards, _tensors
+from zerolab.grading.inputs import SHAPE_GROUPS, shards_of, tensors_of
 from zerolab.grading.mistakes import DTYPE_LOST, Evidence, Mistake, cut, matches
-from zerolab.grading.storage import _held_bytes, _shares_memory, _storage_id, _storage_sizes
+from zerolab.grading.storage import held_bytes, shares_memory, storage_id, storage_sizes
 from zerolab.sharding import FlatLayout, flatten
 
 
 def _cases_5_1(n: int) -> list[Case]:
     def make(name: str, dtype: torch.dtype) -> Callable[[int], tuple]:
         shapes = SHAPE_GROUPS[name]
-        tensors = [t.to(dtype) for t in _tensors(("5.1", name), shapes)]
-        return lambda rank: (_shards(tensors, n)[rank], [torch.Size(s) for s in shapes])
+        tensors = [t.to(dtype) for t in tensors_of(("5.1", name), shapes)]
+        return lambda rank: (shards_of(tensors, n)[rank], [torch.Size(s) for s in shapes])
     return [Case(name, make(name, torch.float32)) for name in SHAPE_GROUPS] + [
         Case("numels 6, 3, 1 in float64", make("numels 6, 3, 1", torch.float64)),
         Case("shapes (2, 3), (5,) in bfloat16", make("shapes (2, 3), (5,)", torch.bfloat16))]
@@ -29,10 +29,10 @@ def _outputs_5_1(result: Any, args: tuple) -> dict[str, Any]:
     if not isinstance(result, (list, tuple)) or not all(
             isinstance(t, torch.Tensor) for t in result):
         raise BadReturn(f"expected a list of tensors, got {type(result).__name__}")
-    shared = any(_shares_memory(t, [args[0]]) for t in result)
+    shared = any(shares_memory(t, [args[0]]) for t in result)
     return {"result": list(result),
             "memory": "views of local_shard" if shared else "not local_shard's memory",
-            "storages (bytes each)": _storage_sizes(list(result))}
+            "storages (bytes each)": storage_sizes(list(result))}
 
 
 def _gathered(ev: Evidence, **wrong: bool) -> list[torch.Tensor]:
@@ -44,12 +44,12 @@ def _gathered(ev: Evidence, **wrong: bool) -> list[torch.Tensor]:
 def _cases_5_2() -> list[Case]:
     def make(name: str, n: int, forward: bool, dtype: torch.dtype) -> Callable[[int], tuple]:
         def args(rank: int) -> tuple:
-            tensors = [t.to(dtype) for t in _tensors(("5.2", name), SHAPE_GROUPS[name])]
+            tensors = [t.to(dtype) for t in tensors_of(("5.2", name), SHAPE_GROUPS[name])]
             layout = FlatLayout.of(tensors, n)
             flat = flatten(tensors, layout)
             params = [nn.Parameter(flat[o:o + t.numel()].view(t.shape))
                       for o, t in zip(layout.offsets, tensors)]
-            kept: dict[str, Any] = {"storage": _storage_id(flat.untyped_storage())}
+            kept: dict[str, Any] = {"storage": storage_id(flat.untyped_storage())}
             if forward:  # autograd saves the views it multiplies, for backward
                 saved = [p.view(-1) for p in params]
                 kept.update(saved=saved, graph=sum((v * v).sum() for v in saved))
@@ -64,9 +64,9 @@ def _cases_5_2() -> list[Case]:
 
 def _outputs_5_2(result: Any, args: Args) -> dict[str, Any]:
     params, flat_param = args
-    same = _storage_id(flat_param.untyped_storage()) == args.kept["storage"]
+    same = storage_id(flat_param.untyped_storage()) == args.kept["storage"]
     return {
-        "bytes still held": _held_bytes([flat_param, *params, *args.kept.get("saved", [])]),
+        "bytes still held": held_bytes([flat_param, *params, *args.kept.get("saved", [])]),
         "params' numel": [p.numel() for p in params],
         "params' dtype": [str(p.dtype) for p in params],
         "flat_param's shape and storage":

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from zerolab.grading.exercise import BadReturn, Case, Exercise, _own_memory_outputs
-from zerolab.grading.inputs import _gen, non_contiguous
+from zerolab.grading.exercise import BadReturn, Case, Exercise, own_memory_outputs
+from zerolab.grading.inputs import non_contiguous, rng
 from zerolab.grading.mistakes import (
     DTYPE_LOST,
     Evidence,
@@ -22,7 +22,7 @@ from zerolab.grading.mistakes import (
     padding_kept,
     used_instead,
 )
-from zerolab.grading.storage import _shares_memory
+from zerolab.grading.storage import shares_memory
 
 
 def _dim0_rows(rows: int, rank: int, n: int) -> tuple[int, int]:
@@ -34,12 +34,12 @@ def _dim0_rows(rows: int, rank: int, n: int) -> tuple[int, int]:
 def _cases_6_1() -> list[Case]:
     shapes = ((10, 3), (2, 4), (7,), (1,), (6, 2))
     cases = [Case(f"shape {s}, world_size {n}, rank {r}",
-                  lambda rank, s=s, r=r, n=n: (torch.randn(s, generator=_gen("6.1", s)), r, n))
+                  lambda rank, s=s, r=r, n=n: (torch.randn(s, generator=rng("6.1", s)), r, n))
              for s in shapes for n in (1, 2, 3, 4) for r in range(n)]
     kinds = {"float64": lambda t: t.double(), "bfloat16": lambda t: t.bfloat16(),
              "a non-contiguous view": non_contiguous}
     return cases + [Case(f"shape (10, 3), {kind}, world_size 3, rank {r}",
-                         lambda rank, r=r, f=f: (f(torch.randn(10, 3, generator=_gen("6.1", 10))),
+                         lambda rank, r=r, f=f: (f(torch.randn(10, 3, generator=rng("6.1", 10))),
                                                  r, 3))
                     for kind, f in kinds.items() for r in range(3)]
 
@@ -55,7 +55,7 @@ def _cases_6_2(n: int) -> list[Case]:
         dtype = torch.float64 if "float64" in name else torch.float32
 
         def args(rank: int) -> tuple:
-            full = {k: torch.randn(s, generator=_gen("6.2", name, k), dtype=dtype)
+            full = {k: torch.randn(s, generator=rng("6.2", name, k), dtype=dtype)
                     for k, s in models[name].items()}
             shards = {k: t[slice(*_dim0_rows(len(t), rank, n))].clone() for k, t in full.items()}
             return shards, {k: len(t) for k, t in full.items()}
@@ -70,7 +70,7 @@ def _outputs_6_2(result: Any, args: tuple) -> dict[str, Any]:
     if not isinstance(result, dict):
         raise BadReturn(f"expected a dict of tensors, got {type(result).__name__}")
     tensors = {k: v for k, v in result.items() if isinstance(v, torch.Tensor)}
-    shared = sorted(k for k, v in tensors.items() if _shares_memory(v, list(args[0].values())))
+    shared = sorted(k for k, v in tensors.items() if shares_memory(v, list(args[0].values())))
     bigger = sorted(k for k, v in tensors.items() if k not in shared
                     and v.untyped_storage().nbytes() > v.numel() * v.element_size())
     return {"result": result, "in a shard's memory": shared, "in a bigger buffer": bigger}
@@ -114,7 +114,7 @@ EXERCISES = [
              "Every rank but the last ones gets ceil(rows / world_size) rows (torch.chunk's "
              "rule): rank r's rows start at r * ceil(rows / world_size); clamp the start and "
              "the end to rows; do not pad the last shards; return a copy.",
-             _cases_6_1, outputs=_own_memory_outputs,
+             _cases_6_1, outputs=own_memory_outputs,
              hints=("rows_per_rank = -(-rows // world_size); start = min(rank * rows_per_rank, "
                     "rows); end = min(start + rows_per_rank, rows); return "
                     "param[start:end].clone().",),

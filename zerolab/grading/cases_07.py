@@ -9,7 +9,7 @@ from fractions import Fraction
 from typing import Any
 
 from zerolab.grading.exercise import Case, Exercise
-from zerolab.grading.inputs import STAGES, _fixed, _stage_moved
+from zerolab.grading.inputs import STAGES, fixed, stage_moved
 from zerolab.grading.mistakes import Evidence, Mistake, any_of, matches, solution_with
 
 
@@ -20,14 +20,14 @@ def _cases_7_1() -> list[Case]:
     # wrong side of a whole number (80e9 on 5 ranks, ZeRO-3 fp32: 80e9 // 3.2 is
     # 24,999,999,999), which N = 1, 8 and 64 never show.
     return [Case(f"{memory:g} bytes, N={n}, {stage}, {precision}",
-                 _fixed(memory, n, stage, precision))
+                 fixed(memory, n, stage, precision))
             for memory in (80e9, 24e9, 300.0, 1000.0) for n in (1, 3, 5, 8, 9, 64)
             for stage in STAGES for precision in ("fp32", "mixed")]
 
 
 def _cases_7_2() -> list[Case]:
     return [Case(f"S={s:g} bytes, N={n}, {op}, latency {latency:g} s",
-                 _fixed(s, n, op, 100e9, latency))
+                 fixed(s, n, op, 100e9, latency))
             for s in (28e9, 1000) for n in (1, 2, 3, 8)
             for op in ("all_reduce", "reduce_scatter", "all_gather") for latency in (0.0, 5e-6)]
 
@@ -102,8 +102,8 @@ EXERCISES = [
                  Mistake("another stage's sharding",
                          "ZeRO-1 shards the optimizer state; ZeRO-2 the gradients too; ZeRO-3 "
                          "the parameters too (as in 1.1).",
-                         any_of(matches(solution_with(_stage_moved(1))),
-                                matches(solution_with(_stage_moved(-1)))))),
+                         any_of(matches(solution_with(stage_moved(1))),
+                                matches(solution_with(stage_moved(-1)))))),
              ),
     Exercise("7.2", "ex07_scaling", "ring_time",
              "the time of a ring collective by the latency-bandwidth model",

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from zerolab import theory
 from zerolab.grading.exercise import Case, Exercise
-from zerolab.grading.inputs import _fixed
+from zerolab.grading.inputs import fixed
 from zerolab.grading.mistakes import Evidence, Mistake, matches
 
 # (batch, seq_len, hidden, heads): tiny, the stub's example, notebook 08's sweep, odd, long
@@ -17,7 +17,7 @@ _SHAPES_8_1 = [(1, 1, 8, 1), (2, 16, 32, 2), (1, 32, 64, 4), (4, 256, 64, 4), (2
 
 def _cases_8_1() -> list[Case]:
     return [Case(f"b={b}, s={s}, h={h}, heads={a}, {attention}",
-                 _fixed(b, s, h, a, attention))
+                 fixed(b, s, h, a, attention))
             for attention in theory.ATTENTIONS for b, s, h, a in _SHAPES_8_1]
 
 

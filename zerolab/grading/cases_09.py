@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import torch
 
-from zerolab.grading.exercise import Case, Exercise, _tuple_outputs
-from zerolab.grading.inputs import _fixed, _gen
+from zerolab.grading.exercise import Case, Exercise, tuple_outputs
+from zerolab.grading.inputs import fixed, rng
 from zerolab.grading.mistakes import DTYPE_LOST, Evidence, Mistake, matches
 from zerolab.parts.quantize import quantize_int8
 
@@ -18,7 +18,7 @@ _LAYOUTS_9_1 = [(1, 1), (4, 4), (4, 1), (4, 2), (12, 3), (16, 8), (64, 8), (1024
 
 
 def _cases_9_1() -> list[Case]:
-    return [Case(f"Ψ={psi:g}, N={n}, nodes of {k}, {engine}", _fixed(psi, n, k, engine))
+    return [Case(f"Ψ={psi:g}, N={n}, nodes of {k}, {engine}", fixed(psi, n, k, engine))
             for psi in (1000, 205_184, 7e9, 70e9) for n, k in _LAYOUTS_9_1
             for engine in ("ZeRO-3", "HSDP")]
 
@@ -40,7 +40,7 @@ def _tensor(name: str) -> torch.Tensor:
     if name == "the stub's example":
         return torch.tensor([0.5, -1.0, 0.25, 2.0])
     n, _ = _TENSORS[name]
-    x = torch.randn(n, generator=_gen("9.2", name))
+    x = torch.randn(n, generator=rng("9.2", name))
     if name == "300 zeros":
         x.zero_()
     if "block of zeros" in name:
@@ -153,7 +153,7 @@ EXERCISES = [
              "is its largest |x| / 127, each value torch.round(x / scale) as int8; a block of "
              "zeros has scale 0 and values 0 (do not divide by 0).",
              _cases_9_2,
-             outputs=_tuple_outputs("values", "scales"),
+             outputs=tuple_outputs("values", "scales"),
              hints=("Pad x with zeros to blocks * block elements, view it as (blocks, block), "
                     "take .abs().amax(dim=1) / 127, divide (by 1 where the scale is 0), "
                     "round, .to(torch.int8), and cut the padding off.",),

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from zerolab.grading.exercise import Case, Exercise, _result
-from zerolab.grading.inputs import _gen
+from zerolab.grading.exercise import Case, Exercise, result_data
+from zerolab.grading.inputs import rng
 from zerolab.grading.mistakes import DTYPE_LOST, Evidence, Mistake, bytes_times, matches
 from zerolab.lessons.n11_optimizers import orthogonalize
 
@@ -24,7 +24,7 @@ def _padded(g: torch.Tensor, n: int) -> torch.Tensor:
 
 def _cases_11_1(n: int) -> list[Case]:
     def make(rank: int, shape: tuple[int, int]) -> tuple:
-        g = torch.randn(shape, generator=_gen("11.1", shape))  # the same G on every rank
+        g = torch.randn(shape, generator=rng("11.1", shape))  # the same G on every rank
         return (_padded(g, n).chunk(n)[rank].clone(), shape)
 
     def example(rank: int) -> tuple:
@@ -74,7 +74,7 @@ EXERCISES = [
              "receives each into its place (rank r's at r*k), views the first rows*cols "
              "elements as (rows, cols), orthogonalises, pads the flattened update back to "
              "world_size*k, and sends rank r its elements r*k to (r+1)*k.",
-             _cases_11_1, distributed=True, comm_checked=True, outputs=_result,
+             _cases_11_1, distributed=True, comm_checked=True, outputs=result_data,
              hints=("flat = torch.empty(world_size * k); flat[:k] = grad_shard; for r in "
                     "1..N-1: comm.recv(flat[r*k:(r+1)*k], r, tag=..., group=group). The other "
                     "ranks: comm.send(grad_shard, 0, ...), then comm.recv(mine, 0, ...).",),

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from zerolab.grading.exercise import Case, Exercise
-from zerolab.grading.inputs import _gen
+from zerolab.grading.inputs import rng
 from zerolab.grading.mistakes import DTYPE_LOST, Evidence, Mistake, matches, used_instead
 
 # (b, s, h): 4h divides by 1, 2 and 3 ranks, and so does h (for the row-then-column mistake)
@@ -19,7 +19,7 @@ _SHAPES = ((2, 3, 6), (1, 4, 12), (3, 2, 24))
 def _mlp_inputs(shape: tuple[int, int, int], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     """x and the MLP's weights, the same on every rank (seeded by the case, not the rank)."""
     b, s, h = shape
-    gen = _gen("12.1", shape, str(dtype))
+    gen = rng("12.1", shape, str(dtype))
 
     def draw(*size: int, scale: float) -> torch.Tensor:
         return (torch.randn(*size, generator=gen) * scale).to(dtype)

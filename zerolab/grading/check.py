@@ -21,7 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from zerolab.grading import flight
-from zerolab.grading.compare import _compare
+from zerolab.grading.compare import compare_values
 from zerolab.grading.exercise import Case, Exercise
 from zerolab.grading.mistakes import (
     COLLECTIVES_DIFFER,
@@ -30,12 +30,12 @@ from zerolab.grading.mistakes import (
     NON_CONTIGUOUS_VIEW,
     Evidence,
     Mistake,
-    _diagnose,
+    diagnose,
     input_changed_hint,
 )
 
 
-def _load_module(path: Path, prefix: str = "_zerolab_graded") -> ModuleType:
+def load_module(path: Path, prefix: str = "_zerolab_graded") -> ModuleType:
     """Import a file by path, under a name of its own (a learner's copy never clashes; nor,
     with another prefix, the same file imported as a learner's and as a solution)."""
     name = f"{prefix}_{zlib.crc32(str(path).encode()):08x}_{path.stem}"
@@ -52,11 +52,11 @@ def _load_module(path: Path, prefix: str = "_zerolab_graded") -> ModuleType:
     return module
 
 
-def _is_stub(e: BaseException) -> bool:
+def is_stub(e: BaseException) -> bool:
     return isinstance(e, NotImplementedError) and str(e).startswith("Exercise ")
 
 
-def _learner_traceback(e: BaseException, learner_file: str) -> str:
+def learner_traceback(e: BaseException, learner_file: str) -> str:
     """The traceback lines in the learner's own file, then the exception: not our internals."""
     mine = os.path.realpath(learner_file)
     frames = [f for f in traceback.extract_tb(e.__traceback__)
@@ -108,14 +108,14 @@ def _judge_rank(ex: Exercise, case: Case, rank: int, world_size: int, expected: 
         return {"status": "wrong", "output": "return value", "message": got["bad return"]}
     mine = got["outputs"]
     for name, value in expected["outputs"].items():
-        why = _compare(value, mine.get(name))
+        why = compare_values(value, mine.get(name))
         if why is None:
             continue
         if name in ("comm ops", "bytes sent"):
             why += " (the grader sees what goes through zerolab.comm)"
         evidence = Evidence(name, value, mine.get(name), expected["outputs"], mine, rank,
                             world_size, case.make, solution, case.label)
-        return _wrong(name, why, _diagnose(ex.mistakes, evidence))
+        return _wrong(name, why, diagnose(ex.mistakes, evidence))
     for name, why in got["changed"].items():
         output = f"input {name}"
         known = next((m for m in ex.mistakes if m.output == output), None)
@@ -130,4 +130,4 @@ def judge_raised(ex: Exercise, case: Case, rank: int, world_size: int, message: 
     outputs = expected["outputs"] if expected and "outputs" in expected else {}
     evidence = Evidence("raised", None, message, outputs, {}, rank, world_size, case.make,
                         solution, case.label)
-    return _diagnose((*ex.mistakes, NON_CONTIGUOUS_VIEW), evidence)
+    return diagnose((*ex.mistakes, NON_CONTIGUOUS_VIEW), evidence)

@@ -18,7 +18,7 @@ from zerolab.grading.grader import grade
 from zerolab.grading.hints import hint
 from zerolab.grading.predictions import grade_predictions, is_prediction, list_lines
 from zerolab.grading.registry import EXERCISES
-from zerolab.grading.report import _shown
+from zerolab.grading.report import shown_path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,7 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.make_exercises:
         for path in make_exercises():
-            print(f"wrote {_shown(path)}")
+            print(f"wrote {shown_path(path)}")
         return 0
     if args.check_exercises:
         problems = check_exercises(exact=args.exact)

@@ -22,8 +22,8 @@ from zerolab.grading.data import Described, Freed, describe, readable
 # the way loses it); float32 allows for another order of summation; bfloat16 keeps 8 bits.
 _TOLERANCE = {torch.float64: (1e-10, 1e-12), torch.bfloat16: (1e-2, 1e-2),
               torch.float16: (1e-3, 1e-3)}
-_describe = describe
-_readable = readable
+describe_value = describe
+readable_value = readable
 
 
 def _fmt_values(t: torch.Tensor) -> str:
@@ -32,35 +32,35 @@ def _fmt_values(t: torch.Tensor) -> str:
     return fmt(t.detach().double().tolist())
 
 
-def _compare(expected: Any, got: Any) -> str | None:
+def compare_values(expected: Any, got: Any) -> str | None:
     """Why `got` differs from `expected` (named from the top), or None when it matches."""
     if isinstance(expected, torch.Tensor):
-        return _compare_tensors(expected, got)
+        return compare_tensors(expected, got)
     if isinstance(expected, dict):
         if not isinstance(got, dict):
-            return f"expected a dict, got {_describe(got)}"
+            return f"expected a dict, got {describe_value(got)}"
         if set(got) != set(expected):
             return f"expected keys {sorted(expected)}, got {sorted(got)}"
         for key in expected:
-            if (why := _compare(expected[key], got[key])) is not None:
+            if (why := compare_values(expected[key], got[key])) is not None:
                 return f"[{key!r}]: {why}"
         return None
     if isinstance(expected, (list, tuple)):
         if not isinstance(got, (list, tuple)):
-            return f"expected a list of {len(expected)}, got {_describe(got)}"
+            return f"expected a list of {len(expected)}, got {describe_value(got)}"
         if all(isinstance(v, (str, bool, int, float)) for v in [*expected, *got]):
             # Short lists of plain values (comm ops, freed flags): show them whole.
             same = len(got) == len(expected) and all(
-                _compare(e, g) is None for e, g in zip(expected, got))
+                compare_values(e, g) is None for e, g in zip(expected, got))
             return None if same else f"expected {list(expected)}, got {list(got)}"
         if len(got) != len(expected):
             return f"expected {len(expected)} items, got {len(got)}"
-        return _first_item(expected, got, _compare)
+        return first_item(expected, got, compare_values)
     if isinstance(expected, numbers.Real) and not isinstance(expected, bool):
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = got.item()
         if not isinstance(got, numbers.Real) or isinstance(got, bool):
-            return f"expected a number, {expected:.6g}, got {_describe(got)}"
+            return f"expected a number, {expected:.6g}, got {describe_value(got)}"
         if isinstance(expected, numbers.Integral):  # counted, not measured: exactly
             return None if got == expected else f"expected {expected}, got {got!r}"
         if not math.isclose(got, expected, rel_tol=1e-6, abs_tol=1e-12):
@@ -71,7 +71,7 @@ def _compare(expected: Any, got: Any) -> str | None:
     return f"expected {expected!r}, got {got.text if isinstance(got, Described) else repr(got)}"
 
 
-def _first_item(expected: Sequence, got: Sequence,
+def first_item(expected: Sequence, got: Sequence,
                 compare: Callable[[Any, Any], str | None]) -> str | None:
     """The first pair of items that `compare` finds different, named by its index."""
     for i, (e, g) in enumerate(zip(expected, got)):
@@ -80,9 +80,9 @@ def _first_item(expected: Sequence, got: Sequence,
     return None
 
 
-def _compare_tensors(expected: torch.Tensor, got: Any) -> str | None:
+def compare_tensors(expected: torch.Tensor, got: Any) -> str | None:
     if not isinstance(got, torch.Tensor | Freed):
-        return f"expected {_describe(expected)}, got {_describe(got)}"
+        return f"expected {describe_value(expected)}, got {describe_value(got)}"
     if tuple(got.shape) != tuple(expected.shape):
         return f"expected shape {tuple(expected.shape)}, got shape {tuple(got.shape)}"
     if str(got.dtype) != str(expected.dtype):

@@ -66,7 +66,7 @@ def _join(lines: list[str], start: int, end: int) -> str:
     return "\n".join(line.rstrip() for line in lines[start - 1:end])
 
 
-def _first_missing(generated: str, learner: str) -> str | None:
+def first_missing(generated: str, learner: str) -> str | None:
     """The first part of `generated` missing (or changed) in `learner`, or None when every
     part is there, in order. Raises SyntaxError when `learner` does not parse."""
     theirs = iter([text for _, text in _owned_parts(learner)])

@@ -29,7 +29,7 @@ import torch
 from zerolab.memory import (
     MemoryTrace,
     SavedForBackward,
-    _Tracker,
+    TensorTracker,
     inner_tensors,
     optimizer_tensors,
 )
@@ -39,7 +39,7 @@ GRADER = "grader"
 SHOWN = ("params", "grads", "optimizer", "kept params", "activations", "other")
 
 
-def _found(obj: Any, kind: type, depth: int = 6, seen: set | None = None) -> list[Any]:
+def found_in(obj: Any, kind: type, depth: int = 6, seen: set | None = None) -> list[Any]:
     """The objects of `kind` (optimizers, parameters) an engine keeps in its attributes, in
     lists, dicts and objects of its own a few levels down; not in the model (nor any module
     inside the engine)."""
@@ -60,7 +60,7 @@ def _found(obj: Any, kind: type, depth: int = 6, seen: set | None = None) -> lis
         items = list(vars(obj).values())
     else:
         return []
-    return [o for item in items for o in _found(item, kind, depth - 1, seen)]
+    return [o for item in items for o in found_in(item, kind, depth - 1, seen)]
 
 
 class Categories:
@@ -83,8 +83,8 @@ class Categories:
 
     def start(self) -> None:
         """Sort from now on (the engine's optimizers and shards are looked for once, here)."""
-        self.optimizers = _found(self.engine, torch.optim.Optimizer)
-        shards = _found(self.engine, torch.nn.Parameter)  # frozen shards are in no optimizer
+        self.optimizers = found_in(self.engine, torch.optim.Optimizer)
+        shards = found_in(self.engine, torch.nn.Parameter)  # frozen shards are in no optimizer
         params = [*self.model.parameters(), *shards,
                   *(p for o in self.optimizers for g in o.param_groups for p in g["params"])]
         self.params = list({id(p): p for p in params}.values())
@@ -122,7 +122,7 @@ class Categories:
         return ref is not None and ref() is storage
 
 
-class Tracker(_Tracker):
+class Tracker(TensorTracker):
     """zerolab.memory's tracker (a TorchDispatchMode that watches every storage an op
     creates, and sums the live ones), summing only while `sampling`.
 

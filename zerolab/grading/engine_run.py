@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 from zerolab import comm, harness
 from zerolab.grading import borrowed, flight
-from zerolab.grading.check import _is_stub
+from zerolab.grading.check import is_stub
 from zerolab.grading.data import encode
-from zerolab.grading.engine_memory import Categories, Points, _found, tracked
+from zerolab.grading.engine_memory import Categories, Points, found_in, tracked
 from zerolab.grading.engine_model import (
     BUCKET_BYTES,
     GLOBAL_BATCH,
@@ -91,7 +91,7 @@ def _distinct_bytes(state: Any) -> int:
 
 
 def _optimizers(engine: Any) -> list[torch.optim.Optimizer]:
-    return _found(engine, torch.optim.Optimizer)
+    return found_in(engine, torch.optim.Optimizer)
 
 
 def _gradients(engine: Any) -> dict[str, Any]:
@@ -250,7 +250,7 @@ def run_case(stage_name: str, engine_cls: type, case: Case, rank: int, world_siz
                 else:
                     steps.append(driver.finish(driver.train(step, None)))
         except NotImplementedError as e:
-            if _is_stub(e):  # the constructor ran: a method is still to write
+            if is_stub(e):  # the constructor ran: a method is still to write
                 e.zerolab_unwritten = True
             raise
         _check_borrowed(engine, model, learner_file)  # or built on one lazily

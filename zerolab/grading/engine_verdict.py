@@ -24,7 +24,7 @@ import torch
 
 from zerolab.grading import engine_mistakes as em
 from zerolab.grading import flight
-from zerolab.grading.compare import _compare_tensors
+from zerolab.grading.compare import compare_tensors
 from zerolab.grading.data import Freed
 from zerolab.grading.engine_model import (
     FROZEN,
@@ -148,13 +148,13 @@ def _parameters(stage: Stage, setting: Setting, sizes: Sizes, step: int,
     for name in [*FROZEN, *(k for k in expected if k not in FROZEN)]:  # a frozen one: first
         e, g = expected[name], got[name]
         if isinstance(g, Freed):
-            return _wrong(output, f"'{name}': {_compare_tensors(e, g)}", em.LIVE_STATE_DICT)
+            return _wrong(output, f"'{name}': {compare_tensors(e, g)}", em.LIVE_STATE_DICT)
         if not isinstance(g, torch.Tensor) or g.shape != e.shape:
-            return _wrong(output, f"'{name}': {_compare_tensors(e, g)}", em.STATE_DICT)
+            return _wrong(output, f"'{name}': {compare_tensors(e, g)}", em.STATE_DICT)
         if (g.double() - e.double()).abs().max() > PARAM_ATOL:
             why, mistake = _update(stage, setting, sizes, name, before[name], e, g)
             return _wrong(output, f"'{name}' differs from zerolab's {stage.label} by more than "
-                          f"{PARAM_ATOL:g}: {_compare_tensors(e, g)}; {why}", mistake)
+                          f"{PARAM_ATOL:g}: {compare_tensors(e, g)}; {why}", mistake)
     return None
 
 

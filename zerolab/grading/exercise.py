@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from zerolab.grading.compare import _describe
+from zerolab.grading.compare import describe_value
 from zerolab.grading.mistakes import Mistake
-from zerolab.grading.storage import _shares_memory
+from zerolab.grading.storage import shares_memory
 
 KINDS = ("plain", "ranks", "engine")  # in this process; on spawned ranks; a whole engine
 
@@ -47,7 +47,7 @@ class Case:
     make: Callable[[int], tuple]
 
 
-def _result(result: Any, args: tuple) -> dict[str, Any]:
+def result_data(result: Any, args: tuple) -> dict[str, Any]:
     return {"result": result}
 
 
@@ -69,7 +69,7 @@ class Exercise:
     hint: str  # shown when the answer is wrong and no known mistake explains it
     cases: Callable[..., list[Case]]  # distributed: cases(world_size); plain: cases()
     distributed: bool = False
-    outputs: Callable[[Any, tuple], dict[str, Any]] = _result  # (result, args) -> named outputs
+    outputs: Callable[[Any, tuple], dict[str, Any]] = result_data  # (result, args) -> named outputs
     comm_checked: bool = False  # also compare the zerolab.comm ops called and bytes sent
     stage: str = ""  # an engine exercise: the stage it builds ("ddp", "zero2", "zero3")
     hints: tuple[str, ...] = ()  # further hint levels, after `hint`
@@ -88,10 +88,10 @@ class Exercise:
         return self.module[2:4]  # "ex03_zero1" -> "03"
 
 
-def _tuple_outputs(*names: str) -> Callable[[Any, tuple], dict[str, Any]]:
+def tuple_outputs(*names: str) -> Callable[[Any, tuple], dict[str, Any]]:
     def outputs(result: Any, args: tuple) -> dict[str, Any]:
         if not isinstance(result, (tuple, list)) or len(result) != len(names):
-            raise BadReturn(f"expected a tuple ({', '.join(names)}), got {_describe(result)}")
+            raise BadReturn(f"expected a tuple ({', '.join(names)}), got {describe_value(result)}")
         return dict(zip(names, result))
     return outputs
 
@@ -101,7 +101,7 @@ def memory_of(result: Any, inputs: list[Any]) -> str:
     "a view into a buffer of B bytes (its elements: E)", or "its own, E bytes"."""
     if not isinstance(result, torch.Tensor):
         return "not a tensor"
-    if _shares_memory(result, inputs):
+    if shares_memory(result, inputs):
         return "a view of an input"
     storage, mine = result.untyped_storage().nbytes(), result.numel() * result.element_size()
     if storage > mine:
@@ -109,12 +109,12 @@ def memory_of(result: Any, inputs: list[Any]) -> str:
     return f"its own, {mine} bytes"
 
 
-def _own_memory_outputs(result: Any, args: tuple) -> dict[str, Any]:
+def own_memory_outputs(result: Any, args: tuple) -> dict[str, Any]:
     """The result, and the memory behind it (memory_of): a copy of exactly its elements."""
     return {"result": result, "memory": memory_of(result, [args[0]])}
 
 
-def _new_memory_outputs(result: Any, args: tuple) -> dict[str, Any]:
+def new_memory_outputs(result: Any, args: tuple) -> dict[str, Any]:
     """The result, and whether it lives in the input's memory (a view, or the input itself:
     at N = 1 a shortcut can return it), or in memory of its own (a bigger buffer is fine)."""
     memory = memory_of(result, [args[0]])

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from zerolab.grading.defaults import EXERCISES_DIR, SOLUTIONS_DIR
-from zerolab.grading.drift import _first_missing, is_docstring
+from zerolab.grading.drift import first_missing, is_docstring
 
 BEGIN, END = "# BEGIN SOLUTION", "# END SOLUTION"
 _EXERCISE_ID = re.compile(r"Exercise (\d+\.\d+): (.+)")
@@ -132,7 +132,7 @@ def check_exercises(solutions_dir: Path = SOLUTIONS_DIR, exercises_dir: Path = E
                                 f"generates")
             continue
         try:
-            missing = _first_missing(text, mine)
+            missing = first_missing(text, mine)
         except SyntaxError as e:
             problems.append(f"{path} does not parse (line {e.lineno}): cannot compare it")
             continue

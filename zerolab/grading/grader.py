@@ -11,7 +11,7 @@ from pathlib import Path
 
 from zerolab.grading.borrowed import HINT as BORROWED_HINT
 from zerolab.grading.borrowed import imports_solutions
-from zerolab.grading.check import _load_module
+from zerolab.grading.check import load_module
 from zerolab.grading.defaults import (
     DEFAULT_TIMEOUT,
     DEFAULT_WORLD_SIZES,
@@ -21,7 +21,7 @@ from zerolab.grading.defaults import (
 from zerolab.grading.exercise import Exercise
 from zerolab.grading.generate import exercise_source
 from zerolab.grading.registry import EXERCISES, select
-from zerolab.grading.report import Report, Result, _shown
+from zerolab.grading.report import Report, Result, shown_path
 from zerolab.grading.runner import grade_tasks
 from zerolab.grading.session import Task
 
@@ -34,7 +34,7 @@ def load(name: str, path: str | os.PathLike | None = None) -> Callable:
         raise ValueError(f"{name!r} names several exercises; give an id such as 3.1")
     ex = found[0]
     folder = Path(path) if path is not None else EXERCISES_DIR
-    return getattr(_load_module(folder / f"{ex.module}.py"), ex.function)
+    return getattr(load_module(folder / f"{ex.module}.py"), ex.function)
 
 
 def grade(names: Sequence[str] | str | None = None, path: str | os.PathLike | None = None,
@@ -91,7 +91,7 @@ def _without_running(ex: Exercise, learner_file: Path) -> Result | None:
     """The verdict on a file that needs no running: missing, not parsing, importing solutions/
     (its text says so: borrowed.py), or the stub as it was generated. None: it must run."""
     if not learner_file.exists():
-        return Result(ex, "not attempted", message=f"no file {_shown(learner_file)}")
+        return Result(ex, "not attempted", message=f"no file {shown_path(learner_file)}")
     try:
         source = learner_file.read_text()
         ast.parse(source, str(learner_file))

@@ -22,21 +22,21 @@ SHAPE_GROUPS = {
 }
 
 
-def _gen(*key: Any) -> torch.Generator:
+def rng(*key: Any) -> torch.Generator:
     """A generator seeded from `key`, the same in every process (unlike hash())."""
     return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
 
 
-def _ints(gen: torch.Generator, *shape: int) -> torch.Tensor:
+def ints(gen: torch.Generator, *shape: int) -> torch.Tensor:
     """Small integers as floats: sums are exact in any order, so rings and trees agree."""
     return torch.randint(-9, 10, shape, generator=gen).float()
 
 
-def _fixed(*args: Any) -> Callable[[int], tuple]:
+def fixed(*args: Any) -> Callable[[int], tuple]:
     return lambda rank: args
 
 
-def _stage_moved(step: int, position: int = 2) -> Callable[[tuple], dict[int, str]]:
+def stage_moved(step: int, position: int = 2) -> Callable[[tuple], dict[int, str]]:
     """For mistakes.solution_with: the stage argument at `position` moved `step` stages on
     (1: ZeRO-1 -> ZeRO-2) or back (-1); unchanged past either end."""
     def replace(args: tuple) -> dict[int, str]:
@@ -45,12 +45,12 @@ def _stage_moved(step: int, position: int = 2) -> Callable[[tuple], dict[int, st
     return replace
 
 
-def _tensors(key: Any, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    gen = _gen(*key)
+def tensors_of(key: Any, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
+    gen = rng(*key)
     return [torch.randn(s, generator=gen) for s in shapes]
 
 
-def _shards(tensors: list[torch.Tensor], n: int) -> list[torch.Tensor]:
+def shards_of(tensors: list[torch.Tensor], n: int) -> list[torch.Tensor]:
     layout = FlatLayout.of(tensors, n)
     flat = flatten(tensors, layout)
     return [shard(flat, layout, r).clone() for r in range(n)]

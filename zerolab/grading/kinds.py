@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from zerolab.grading import call, check, engine_run, engine_verdict
-from zerolab.grading.check import _load_module
+from zerolab.grading.check import load_module
 from zerolab.grading.defaults import SOLUTIONS_DIR
 from zerolab.grading.engine_model import STAGES
 from zerolab.grading.exercise import Case, Exercise
@@ -31,7 +31,7 @@ def solution(ex: Exercise) -> Callable:
 
 @functools.cache
 def _solution(module: str, function: str) -> Callable:
-    return getattr(_load_module(SOLUTIONS_DIR / f"{module}.py"), function)
+    return getattr(load_module(SOLUTIONS_DIR / f"{module}.py"), function)
 
 
 def forget_solutions() -> None:

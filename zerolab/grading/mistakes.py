@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from zerolab.grading.compare import _compare
+from zerolab.grading.compare import compare_values
 from zerolab.grading.data import Freed
 
 
@@ -64,7 +64,7 @@ class Mistake:
     signal: str = ""
 
 
-def _diagnose(mistakes: tuple[Mistake, ...], evidence: Evidence) -> Mistake | None:
+def diagnose(mistakes: tuple[Mistake, ...], evidence: Evidence) -> Mistake | None:
     """The first mistake that explains the evidence (a test that raises explains nothing).
     A tensor of another dtype than expected is that, whatever else differs: its values would
     mislead the other tests. Outputs whose storage was freed are not looked into."""
@@ -95,8 +95,8 @@ def _all_readable(value: Any) -> bool:
     return True
 
 
-def _same(a: Any, b: Any) -> bool:
-    return _compare(a, b) is None
+def same_value(a: Any, b: Any) -> bool:
+    return compare_values(a, b) is None
 
 
 # ---- builders of tests ------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def matches(wrong: Callable[[Evidence], Any]) -> Test:
     """The learner's output equals what a known wrong answer gives on the same inputs."""
     def test(ev: Evidence) -> bool:
         value = wrong(ev)
-        return not _same(ev.expected, value) and _same(value, ev.got)
+        return not same_value(ev.expected, value) and same_value(value, ev.got)
     return test
 
 
@@ -144,7 +144,7 @@ def scaled(factor: Callable[[Evidence], float]) -> Test:
     """got = expected * factor (tensors, numbers, or lists and dicts of them)."""
     def test(ev: Evidence) -> bool:
         f = factor(ev)
-        return f != 1 and _same(_scale(ev.expected, f), ev.got)
+        return f != 1 and same_value(_scale(ev.expected, f), ev.got)
     return test
 
 
@@ -167,7 +167,7 @@ def padding_kept(ev: Evidence) -> bool:
     got, expected = ev.got, ev.expected
     if not isinstance(got, torch.Tensor) or got.numel() <= expected.numel():
         return False
-    return _same(expected.reshape(-1), got.reshape(-1)[:expected.numel()])
+    return same_value(expected.reshape(-1), got.reshape(-1)[:expected.numel()])
 
 
 def used_instead(wrong_op: str, right_op: str) -> Test:
@@ -210,7 +210,7 @@ def element(test: Test, index: Callable[[Evidence], int | str]) -> Test:
 def first_difference(ev: Evidence) -> int | str:
     """The index (or key) of the first item of a list or dict output that differs."""
     keys = list(ev.expected) if isinstance(ev.expected, dict) else range(len(ev.expected))
-    return next(k for k in keys if not _same(ev.expected[k], ev.got[k]))
+    return next(k for k in keys if not same_value(ev.expected[k], ev.got[k]))
 
 
 def cut(flat: torch.Tensor, shapes: list[torch.Size], padding_in_front: bool = False,

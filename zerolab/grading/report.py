@@ -4,7 +4,7 @@ and a hint: the one for that kind, else the exercise's general hint), and the Re
 returns.
 
 A record is what checking a case produced ({"status": ..., "label": ..., ...}, as written by
-a rank); `_result_from` turns it into a Result.
+a rank); `result_from` turns it into a Result.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _wrapped(text: str) -> list[str]:
                          break_long_words=False, break_on_hyphens=False) or [""]
 
 
-def _result_from(ex: Exercise, record: dict, timeout: float) -> Result:
+def result_from(ex: Exercise, record: dict, timeout: float) -> Result:
     status = record["status"]
     common = {"world_size": record.get("world_size"), "case": record.get("label")}
     if record.get("world_size") is not None and "rank" in record:
@@ -140,7 +140,7 @@ class Report:
 
     def __str__(self) -> str:
         sizes = ", ".join(map(str, self.world_sizes))
-        lines = [f"Grading {_shown(self.path)}/ (distributed exercises on {sizes} ranks)"]
+        lines = [f"Grading {shown_path(self.path)}/ (distributed exercises on {sizes} ranks)"]
         for r in self.results:
             lines += r.lines()
         summary = ", ".join(f"{v} {k}" for k, v in self.counts.items()
@@ -151,7 +151,7 @@ class Report:
     __repr__ = __str__
 
 
-def _shown(path: Path) -> str:
+def shown_path(path: Path) -> str:
     """`path` relative to the working directory when it shares the same parent tree (a notebook
     in notebooks/ shows ../exercises, not this machine's absolute path), else as it is."""
     full, here = path.resolve(), Path.cwd().resolve()

@@ -27,7 +27,7 @@ from zerolab.grading.check import judge_raised
 from zerolab.grading.exercise import Exercise
 from zerolab.grading.mistakes import Evidence
 from zerolab.grading.registry import EXERCISES
-from zerolab.grading.report import Result, _result_from
+from zerolab.grading.report import Result, result_from
 from zerolab.grading.session import Run, Task
 
 
@@ -172,7 +172,7 @@ def _verdict(task: Task, run: Run, timeout: float) -> Result | None:
                for r in range(n)]
         record = _judge(ex, cases[index], n, [e[index] for e in expected], got)
         if record["status"] != "passed":
-            return _result_from(ex, {**record, "label": label, "world_size": _shown(ex, n)},
+            return result_from(ex, {**record, "label": label, "world_size": _shown(ex, n)},
                                 timeout)
     if not any(e["event"] == "done" for e in events):
         return _stopped(ex, task, "done", "", run, timeout, cases)
@@ -246,7 +246,7 @@ def _failed(ex: Exercise, task: Task, index: Any, label: str, failed: list[dict]
                                    None if ex.distributed else kinds.solution(ex))
             if mistake is not None:
                 record.update(mistake=mistake.kind, hint=mistake.hint)
-        return _result_from(ex, record, timeout=0)
+        return result_from(ex, record, timeout=0)
     raise AssertionError(failed)
 
 

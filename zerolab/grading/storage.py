@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zerolab.grading.compare import _first_item, _readable
+from zerolab.grading.compare import first_item, readable_value
 
 
 @dataclass(frozen=True)
@@ -25,20 +25,20 @@ class _TensorState:
     shape: tuple[int, ...]
 
 
-def _snapshot(value: Any) -> Any:
+def snapshot_of(value: Any) -> Any:
     """A deep copy of tensors (in lists, tuples and dicts), to compare with later."""
     if isinstance(value, torch.Tensor):
-        readable = _readable(value)
+        readable = readable_value(value)
         return _TensorState(value.detach().clone() if readable else None,
                             value.untyped_storage().nbytes(), tuple(value.shape))
     if isinstance(value, dict):
-        return {k: _snapshot(v) for k, v in value.items()}
+        return {k: snapshot_of(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_snapshot(v) for v in value]
+        return [snapshot_of(v) for v in value]
     return value
 
 
-def _what_changed(before: Any, after: Any) -> str | None:
+def what_changed(before: Any, after: Any) -> str | None:
     """How `after` differs from the snapshot `before`, or None when it is unchanged."""
     if isinstance(before, _TensorState):
         if not isinstance(after, torch.Tensor):
@@ -55,13 +55,13 @@ def _what_changed(before: Any, after: Any) -> str | None:
         for key, value in before.items():
             if key not in after:
                 return f"[{key!r}] was removed"
-            if (why := _what_changed(value, after[key])) is not None:
+            if (why := what_changed(value, after[key])) is not None:
                 return f"[{key!r}]: {why}"
         return None if set(after) == set(before) else "keys were added"
     if isinstance(before, list):
         if len(after) != len(before):
             return f"its length went from {len(before)} to {len(after)}"
-        return _first_item(before, after, _what_changed)
+        return first_item(before, after, what_changed)
     return None
 
 
@@ -84,32 +84,32 @@ def _storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
     seen: dict[int, torch.UntypedStorage] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        seen.setdefault(_storage_id(storage), storage)
+        seen.setdefault(storage_id(storage), storage)
     return list(seen.values())
 
 
-def _storage_id(storage: torch.UntypedStorage) -> int:
+def storage_id(storage: torch.UntypedStorage) -> int:
     """The storage itself (torch's C++ object), whatever Python wrapper shows it; stable when
     the storage is resized, unlike data_ptr() (0 for every freed storage)."""
     return storage._cdata
 
 
-def _storage_sizes(tensors: list[torch.Tensor]) -> list[int]:
+def storage_sizes(tensors: list[torch.Tensor]) -> list[int]:
     """The bytes of each distinct storage behind `tensors`: [one size] for views of one
     buffer, one size per tensor for copies."""
     return [s.nbytes() for s in _storages(tensors)]
 
 
-def _held_bytes(tensors: list[torch.Tensor]) -> int:
+def held_bytes(tensors: list[torch.Tensor]) -> int:
     """The bytes that `tensors` keep alive, each storage counted once."""
-    return sum(_storage_sizes(tensors))
+    return sum(storage_sizes(tensors))
 
 
-def _shares_memory(tensor: torch.Tensor, others: list[Any]) -> bool:
+def shares_memory(tensor: torch.Tensor, others: list[Any]) -> bool:
     """Whether `tensor` lives in the storage of one of `others` (tensors, in lists)."""
     flat: list[torch.Tensor] = []
     for o in others:
         flat += [t for t in (o if isinstance(o, (list, tuple)) else [o])
                  if isinstance(t, torch.Tensor)]
-    mine = _storage_id(tensor.untyped_storage())
-    return any(_storage_id(t.untyped_storage()) == mine for t in flat)
+    mine = storage_id(tensor.untyped_storage())
+    return any(storage_id(t.untyped_storage()) == mine for t in flat)

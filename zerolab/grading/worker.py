@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from zerolab.grading import borrowed, data, hosts, kinds, tamper
-from zerolab.grading.check import _is_stub, _learner_traceback, _load_module
+from zerolab.grading.check import is_stub, learner_traceback, load_module
 from zerolab.grading.defaults import GRACE
 from zerolab.grading.registry import EXERCISES
 
@@ -101,12 +101,12 @@ def _raised(e: BaseException, learner_file: str, limits: dict[str, int]) -> dict
     if type(e) is borrowed.Borrowed:
         return {"status": "uses the reference", "message": str(e)}
     unwritten = getattr(e, "zerolab_unwritten", False)
-    if _is_stub(e) and not unwritten:
+    if is_stub(e) and not unwritten:
         return {"status": "stub"}
     todo = " (a method still to write)" if unwritten else ""
     return {"status": "raised",
             "message": f"{type(e).__name__}: {e}{todo}{_limit_hit(e, limits)}",
-            "traceback": _learner_traceback(e, learner_file)}
+            "traceback": learner_traceback(e, learner_file)}
 
 
 class _Run:
@@ -166,12 +166,12 @@ class _Run:
         if learner_file not in self.modules:
             self.modules_before[learner_file] = set(sys.modules)
             try:
-                self.modules[learner_file] = _load_module(Path(learner_file),
+                self.modules[learner_file] = load_module(Path(learner_file),
                                                           prefix="_zerolab_learner")
             except BaseException as e:  # SystemExit and KeyboardInterrupt too: a wrong answer
                 self.modules[learner_file] = {"status": "import failed",
                                               "message": f"{type(e).__name__}: {e}",
-                                              "traceback": _learner_traceback(e, learner_file)}
+                                              "traceback": learner_traceback(e, learner_file)}
         return self.modules[learner_file]
 
     def agree(self, key: str, index: Any, status: str, skippable: bool = False) -> list[str]:

@@ -189,7 +189,7 @@ class _KnobbedFSDP2:
             fully_shard,
         )
 
-        from zerolab.bench.baselines import TorchFSDP2, _TorchEngine, parameter_slots
+        from zerolab.bench.baselines import TorchEngine, TorchFSDP2, parameter_slots
 
         common: dict = {"mesh": init_device_mesh("cpu", (dist.get_world_size(),))}
         if mixed:
@@ -206,7 +206,7 @@ class _KnobbedFSDP2:
                 block.set_modules_to_forward_prefetch(order[i + 1:i + 2])
                 block.set_modules_to_backward_prefetch(order[max(i - 1, 0):i])
         engine = TorchFSDP2.__new__(TorchFSDP2)
-        _TorchEngine.__init__(engine, model, None)
+        TorchEngine.__init__(engine, model, None)
         engine.sharded = list(model.parameters())
         engine.slots = parameter_slots(model)  # where FSDP2 registers gathered parameters
         engine.optimizer = engine.local_optimizer = optimizer_cls(engine.sharded,

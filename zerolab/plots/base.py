@@ -52,8 +52,8 @@ OP_COLORS = {
 SPAN_COLORS = {"forward": "#a1c9a1", "backward": "#f2b880", "step": "#b7a6d9"}
 SPAN_COLORS["recompute"] = "#4f8f5f"  # a checkpointed forward, run again inside backward
 # Spans a lesson names itself ("work", "phase 1: all-reduce"): light tones, one per name.
-_EXTRA_SPAN_COLORS = ["#d9d9d9", "#c6dbef", "#fdd0a2", "#dadaeb", "#c7e9c0", "#fcbba1"]
-_UNKNOWN_COLOR = "#bbbbbb"
+EXTRA_SPAN_COLORS = ["#d9d9d9", "#c6dbef", "#fdd0a2", "#dadaeb", "#c7e9c0", "#fcbba1"]
+UNKNOWN_COLOR = "#bbbbbb"
 SAME_COLOR = "#5f7ea3"  # one bar standing for every rank, where every rank is the same
 
 

@@ -16,7 +16,7 @@ from matplotlib.font_manager import FontProperties
 from matplotlib.patches import Patch
 
 from zerolab.plots import base
-from zerolab.plots.base import _EXTRA_SPAN_COLORS, _UNKNOWN_COLOR, FIGSIZE, OP_COLORS, SPAN_COLORS
+from zerolab.plots.base import EXTRA_SPAN_COLORS, FIGSIZE, OP_COLORS, SPAN_COLORS, UNKNOWN_COLOR
 
 # --- bytes per rank, per stage -------------------------------------------------------------------
 
@@ -89,8 +89,8 @@ def unit_name(tag: str) -> str:
 
 def _span_colors(names: Sequence[str]) -> dict[str, str]:
     """The phases' own colours; a lesson's own span names get one light tone each."""
-    extra = iter(_EXTRA_SPAN_COLORS * 10)
-    return {n: SPAN_COLORS.get(n) or next(extra, _UNKNOWN_COLOR) for n in names}
+    extra = iter(EXTRA_SPAN_COLORS * 10)
+    return {n: SPAN_COLORS.get(n) or next(extra, UNKNOWN_COLOR) for n in names}
 
 
 def _compute_lane_name(names: Sequence[str]) -> str:
@@ -101,7 +101,7 @@ def _compute_lane_name(names: Sequence[str]) -> str:
     return f"{kind}\n({listed})" if names and len(listed) <= 32 else kind
 
 
-class _Lane:
+class Lane:
     """The bars of one lane, labelled once the figure is laid out (text extents are exact
     then): a label goes where it fits inside its bar and covers no other bar and no other
     label; otherwise the bar has none."""
@@ -179,7 +179,7 @@ def timeline(logs: Sequence[Any], title: str = "Timeline of one step") -> Figure
         y_compute, y_comm = rows - 1 - 2 * i, rows - 2 - 2 * i  # rank 0 at the top
         yticks += [y_compute, y_comm]
         ylabels += [f"rank {log.rank} · {compute}", f"rank {log.rank} · collectives"]
-        spans, comms = _Lane(y_compute), _Lane(y_comm)
+        spans, comms = Lane(y_compute), Lane(y_comm)
         lanes += [spans, comms]
         for s in log.spans:
             left, width = (s.start - t0) * 1e3, max((s.end - s.start) * 1e3, min_width)
@@ -200,16 +200,16 @@ def timeline(logs: Sequence[Any], title: str = "Timeline of one step") -> Figure
             # the first issued on top, so that no bar hides another.
             y = y_comm + 0.35 - height * (row + 0.5)
             ax.barh(y, width, left=left, height=height, alpha=0.9,
-                    color=OP_COLORS.get(e.op, _UNKNOWN_COLOR), edgecolor="white", linewidth=0.5)
+                    color=OP_COLORS.get(e.op, UNKNOWN_COLOR), edgecolor="white", linewidth=0.5)
             if n_rows == 1:  # a label needs the lane's whole height
                 comms.add(left, width, unit_name(e.tag))
         if i:  # a thin rule between ranks
             ax.axhline(y_compute + 0.5, color="#999999", linewidth=0.6)
 
     handles = [Patch(color=span_colors[n], label=n) for n in span_names]
-    handles += [Patch(color=OP_COLORS.get(op, _UNKNOWN_COLOR), label=op) for op in ops_seen]
+    handles += [Patch(color=OP_COLORS.get(op, UNKNOWN_COLOR), label=op) for op in ops_seen]
     if not handles:
-        handles = [Patch(color=_UNKNOWN_COLOR, label="(no events)")]
+        handles = [Patch(color=UNKNOWN_COLOR, label="(no events)")]
     ax.set_yticks(yticks, ylabels, fontsize=8)
     ax.set_ylim(-0.6, rows - 0.4)
     ax.set_xlim(0, span_ms + 2 * min_width)

@@ -18,7 +18,7 @@ from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch, Patch, R
 
 from zerolab.plots import base
 from zerolab.plots.base import CATEGORY_COLORS, OP_COLORS, SPAN_COLORS, CourseFigure
-from zerolab.plots.comm import _Lane
+from zerolab.plots.comm import Lane
 
 EDGE = "#999999"  # outlines of boxes that hold nothing in particular
 
@@ -185,7 +185,7 @@ _LANES = {"hooks": (0.26, 0.22), "held": (0.0, 0.22), "comm": (-0.26, 0.22)}
 
 def _phase_lane(ax: Any, spans: Sequence[Any], y: float, height: float) -> Any:
     """The rank's forward / backward / step spans as a lane at y; returns it for labelling."""
-    lane = _Lane(y)
+    lane = Lane(y)
     for s in spans:
         ax.barh(y, (s.end - s.start) * 1e3, left=s.start * 1e3, height=height,
                 color=SPAN_COLORS.get(s.name, EDGE), gid=f"span|{s.name}")
