@@ -21,6 +21,7 @@ from zerolab.grading import (
     crashes,
     data,
     flight,
+    hosts,
     kinds,
     runner,
     session,
@@ -225,3 +226,6 @@ def test_the_ranks_hash_strings_differently():
                              capture_output=True, env={"PYTHONHASHSEED": str(seed)}).stdout
               for seed in HASH_SEEDS]
     assert len(set(orders)) == len(HASH_SEEDS)
+    # Every rank of a larger run has a seed of its own too.
+    seeds = [hosts.hash_seed(r) for r in range(8)]
+    assert seeds[:len(HASH_SEEDS)] == list(HASH_SEEDS) and len(set(seeds)) == 8

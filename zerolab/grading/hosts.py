@@ -34,7 +34,8 @@ _LOCK = threading.Lock()  # the environment is changed while a host starts
 
 
 def hash_seed(rank: int) -> int:
-    return HASH_SEEDS[rank] if rank < len(HASH_SEEDS) else rank + 1
+    # past the chosen ones, seeds above them: rank + 1 gave rank 3 the seed 4 of rank 2
+    return HASH_SEEDS[rank] if rank < len(HASH_SEEDS) else max(HASH_SEEDS) + rank
 
 
 @contextlib.contextmanager
