@@ -19,8 +19,10 @@ from zerolab.lessons import (
     n07_scaling,
     n09_nodes,
 )
-from zerolab.lessons.predictions import PREDICTIONS, score
+from zerolab.lessons.predictions import PREDICTIONS, score, withheld
 from zerolab.units import make_units
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 # ---- scoring ----------------------------------------------------------------------------------
 
@@ -38,6 +40,46 @@ def test_scores_say_right_wrong_or_not_attempted_with_the_miss():
     assert score(0.012, 0.01, "seconds").ok
     none = score(None, 18, "count")
     assert not none.ok and none.message.startswith("not attempted")
+
+
+def test_a_measurement_is_withheld_until_predicted(capsys):
+    with withheld("08.p1", None) as shown:
+        print("264,192 B")  # the code runs (a learner's error would show) ...
+        ran = True
+    assert ran and shown is False
+    assert capsys.readouterr().out == (  # ... but only this line shows
+        "withheld until you predict 08.p1: write your number in the cell above, run it, then "
+        "run this cell again\n")
+    with withheld("08.p1", 0) as shown:  # any number, even 0, is a prediction
+        print("264,192 B")
+    assert shown is True and capsys.readouterr().out == "264,192 B\n"
+    with pytest.raises(ZeroDivisionError), withheld("08.p1", None):
+        raise ZeroDivisionError("a learner's error in the block")
+    with pytest.raises(KeyError, match="no prediction '08.p9'"), withheld("08.p9", None):
+        pass
+
+
+def test_the_stored_notebooks_show_no_answer_under_a_question():
+    """From each prediction's cell to the cell that scores it, the stored outputs (what nbval
+    compares, what a learner sees before running anything) say only that the measurement is
+    withheld and the prediction not attempted: no number, no figure."""
+    asked = 0
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        for i, cell in enumerate(cells):
+            if cell["cell_type"] != "code" or not "".join(cell["source"]).startswith("predicted_"):
+                continue
+            asked += 1
+            scored = next(k for k in range(i + 1, len(cells))
+                          if "PREDICTIONS[" in "".join(cells[k]["source"]))
+            for k in range(i + 1, scored + 1):
+                for out in cells[k].get("outputs", []):
+                    text = "".join(out.get("text", "")) or str(out.get("data", ""))
+                    lines = [line for line in text.splitlines()
+                             if not line.startswith(("withheld until you predict",
+                                                     "not attempted: write your prediction"))]
+                    assert not lines, f"{path.stem}, cell {k}: {text[:300]}"
+    assert asked == len(PREDICTIONS)
 
 
 # ---- reading the number from the notebook -----------------------------------------------------

@@ -24,6 +24,9 @@ Predictions of several categories at once (peak bytes of params, grads, optimize
 
 from __future__ import annotations
 
+import contextlib
+import io
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 KINDS = ("bytes", "count", "seconds", "tokens")
@@ -110,6 +113,27 @@ def score_each(predicted: dict[str, float | None], measured: dict[str, float], k
                          f"it measures {sorted(measured)}")
     return {k: score(predicted.get(k), m, kind, rounding=rounding, band=band)
             for k, m in measured.items()}
+
+
+# Note: a measurement withheld. The notebooks ship with every prediction None, and nbval compares
+# what they store: a cell that shows a graded prediction's measurement runs as always (its checks
+# and its code run under nbval), but what it prints shows only once the learner has written a
+# number, so that no answer sits under its question before they guess.
+
+
+@contextlib.contextmanager
+def withheld(prediction_id: str, predicted: float | None) -> Iterator[bool]:
+    """Run the block; what it prints shows once the learner has predicted `prediction_id`
+    (yields True), else one line says it is withheld (yields False)."""
+    if prediction_id not in PREDICTIONS:
+        raise KeyError(f"no prediction {prediction_id!r}; there are {sorted(PREDICTIONS)}")
+    if predicted is not None:
+        yield True
+        return
+    with contextlib.redirect_stdout(io.StringIO()):
+        yield False
+    print(f"withheld until you predict {prediction_id}: write your number in the cell above, "
+          f"run it, then run this cell again")
 
 
 @dataclass(frozen=True)
