@@ -19,7 +19,7 @@ from zerolab.lessons import (
     n07_scaling,
     n09_nodes,
 )
-from zerolab.lessons.predictions import PREDICTIONS, score, withheld
+from zerolab.lessons.predictions import PREDICTIONS, score, shown, withheld
 from zerolab.units import make_units
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -43,20 +43,25 @@ def test_scores_say_right_wrong_or_not_attempted_with_the_miss():
 
 
 def test_a_measurement_is_withheld_until_predicted(capsys):
-    with withheld("08.p1", None) as shown:
+    with withheld("08.p1", None) as visible:
         print("264,192 B")  # the code runs (a learner's error would show) ...
         ran = True
-    assert ran and shown is False
+    assert ran and visible is False
     assert capsys.readouterr().out == (  # ... but only this line shows
         "withheld until you predict 08.p1: write your number in the cell above, run it, then "
         "run this cell again\n")
-    with withheld("08.p1", 0) as shown:  # any number, even 0, is a prediction
+    with withheld("08.p1", 0) as visible:  # any number, even 0, is a prediction
         print("264,192 B")
-    assert shown is True and capsys.readouterr().out == "264,192 B\n"
+    assert visible is True and capsys.readouterr().out == "264,192 B\n"
     with pytest.raises(ZeroDivisionError), withheld("08.p1", None):
         raise ZeroDivisionError("a learner's error in the block")
     with pytest.raises(KeyError, match="no prediction '08.p9'"), withheld("08.p9", None):
         pass
+    # A figure is a cell's value: shown(...) gives it back once predicted, else None.
+    figure = object()
+    assert shown("08.p1", None, figure) is None
+    assert capsys.readouterr().out.startswith("withheld until you predict 08.p1")
+    assert shown("08.p1", 264_192, figure) is figure and capsys.readouterr().out == ""
 
 
 def test_the_stored_notebooks_show_no_answer_under_a_question():

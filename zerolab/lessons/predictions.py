@@ -136,6 +136,14 @@ def withheld(prediction_id: str, predicted: float | None) -> Iterator[bool]:
           f"run it, then run this cell again")
 
 
+def shown(prediction_id: str, predicted: float | None, figure: object) -> object:
+    """`figure` once the learner has predicted `prediction_id` (a cell shows its last value),
+    else None, and the line that says it is withheld."""
+    with withheld(prediction_id, predicted) as ok:
+        pass
+    return figure if ok else None
+
+
 @dataclass(frozen=True)
 class PredictionExercise:
     """What a notebook asks the learner to predict, and how the answer is scored."""
